@@ -1,0 +1,46 @@
+"""Fixtures shared by the tests and the package's doctests: every test leaves the process as it found it."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+_ENV_KEYS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "LDET_BASE_SEED", "LDET_LOCAL_SEED")
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    env = {key: os.environ.get(key) for key in _ENV_KEYS}
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads = torch.get_num_threads()
+    yield
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.backends.cudnn.deterministic = flags[2]
+    torch.backends.cudnn.benchmark = flags[3]
+    torch.backends.cuda.matmul.allow_tf32 = flags[4]
+    torch.backends.cudnn.allow_tf32 = flags[5]
+    random.setstate(rng[0])
+    np.random.set_state(rng[1])
+    torch.set_rng_state(rng[2])
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    torch.set_num_threads(threads)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,22 @@
+"""The warning class every warning of the package derives from.
+
+Users and tests can filter or escalate them together::
+
+    import warnings
+    from lightning_determinism import DeterminismWarning
+
+    warnings.simplefilter("error", DeterminismWarning)
+"""
+
+
+class DeterminismWarning(UserWarning):
+    """Something may make a run less reproducible than the user asked for.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn("cuBLAS was initialised already", DeterminismWarning)
+        >>> caught[0].category.__name__
+        'DeterminismWarning'
+    """

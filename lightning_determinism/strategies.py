@@ -1,0 +1,186 @@
+"""Deterministic Lightning strategies: rank-offset seeding and deterministic backends at the right moment.
+
+Lightning's ``DDPStrategy.setup_distributed`` calls ``reset_seed()``, which reseeds every rank with the same
+``PL_GLOBAL_SEED``; anything seeded before ``setup_environment`` is undone there. The mixin therefore acts in
+two steps, both after Lightning's own:
+
+1. at the end of ``setup_environment`` (ranks and the process group exist): agree on the base seed, export it
+   as ``PL_GLOBAL_SEED`` (so the injected ``DistributedSampler`` shuffles alike on every rank), set the backend
+   flags and seed every rank with the *base* seed, so ``setup``/``configure_model`` build identical weights;
+2. at the end of ``setup`` (the model is wrapped and synchronised): seed every rank with ``base + global_rank``,
+   so dropout masks and other training-time draws differ between ranks, reproducibly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_determinism.backends import configure_determinism, debug_mode_name, normalize_debug_mode
+from lightning_determinism.seeding import _record_seeds, check_seed, resolve_base_seed, seed_all
+
+log = logging.getLogger(__name__)
+
+
+class DeterministicStrategyMixin:
+    """Adds rank-offset seeding and deterministic backends to a Lightning strategy.
+
+    Mix it in *before* the strategy class: ``class MyStrategy(DeterministicStrategyMixin, DDPStrategy)``.
+
+    Args:
+        seed: base seed. ``None`` takes ``PL_GLOBAL_SEED`` (set by ``seed_everything``) when present, else rank 0
+            draws one from OS entropy; either way rank 0's choice is broadcast so all ranks agree.
+        debug_mode: backend flags, as in :func:`~lightning_determinism.configure_determinism`; ``None`` leaves
+            every flag as it is.
+        args: passed on to the strategy.
+        kwargs: passed on to the strategy.
+
+    Raises:
+        TypeError: if ``seed`` is not an integer.
+        ValueError: if ``seed`` is outside ``[0, 2**32 - 1]`` or ``debug_mode`` is not an accepted value.
+
+    Example:
+        >>> strategy = DeterministicDDPStrategy(seed=42, debug_mode="warn")
+        >>> strategy.seed, strategy.debug_mode
+        (42, 'warn')
+    """
+
+    def __init__(self, *args: Any, seed: int | None = None, debug_mode: Any = "error", **kwargs: Any) -> None:
+        self._ldet_seed = None if seed is None else check_seed(seed)
+        self._ldet_debug_mode = normalize_debug_mode(debug_mode)
+        self._ldet_base_seed: int | None = None
+        super().__init__(*args, **kwargs)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the user passed (``None`` if it is to be taken from ``PL_GLOBAL_SEED`` or drawn)."""
+        return self._ldet_seed
+
+    @property
+    def debug_mode(self) -> str:
+        """The debug mode as a name: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``."""
+        return debug_mode_name(self._ldet_debug_mode)
+
+    @property
+    def base_seed(self) -> int | None:
+        """The base seed all ranks agreed on; ``None`` until the environment is set up."""
+        return self._ldet_base_seed
+
+    @property
+    def local_seed(self) -> int | None:
+        """``base_seed + global_rank``: what this rank's training-time streams are seeded with."""
+        if self._ldet_base_seed is None:
+            return None
+        return self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        rank: int = self.global_rank  # type: ignore[attr-defined]
+        world_size: int = self.world_size  # type: ignore[attr-defined]
+        base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
+        self._ldet_base_seed = base
+        configure_determinism(self._ldet_debug_mode)
+        os.environ["PL_GLOBAL_SEED"] = str(base)
+        # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
+        seed_all(base)
+        _record_seeds(base, base)
+        log.info(
+            rank_prefixed_message(
+                f"lightning_determinism: base seed {base}, local seed {base + rank}, debug_mode={self.debug_mode}",
+                rank,
+            )
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        if self._ldet_base_seed is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.setup() ran before setup_environment(): the base seed is unknown. Let the"
+                " Trainer call both, in that order."
+            )
+        local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
+        seed_all(local)
+        _record_seeds(self._ldet_base_seed, local)
+
+
+class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` with deterministic seeding and backends.
+
+    Registered as ``ddp_deterministic`` (popen), ``ddp_spawn_deterministic``, ``ddp_fork_deterministic`` and
+    ``ddp_notebook_deterministic``. All ``DDPStrategy`` arguments are accepted.
+
+    Example:
+        >>> DeterministicDDPStrategy(seed=1, start_method="fork").base_seed is None  # known once set up
+        True
+    """
+
+
+class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.FSDPStrategy` with deterministic seeding and backends.
+
+    Registered as ``fsdp_deterministic``. Lightning's FSDP runs on CUDA only.
+
+    Example:
+        >>> DeterministicFSDPStrategy(seed=3).seed
+        3
+    """
+
+
+class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDeviceStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.SingleDeviceStrategy` with the same seeding contract.
+
+    Lets the same user code run on one device: rank 0's seed is ``base + 0``. Registered as
+    ``single_device_deterministic`` (on the CPU; pass ``device="cuda:0"`` for a GPU).
+
+    Example:
+        >>> DeterministicSingleDeviceStrategy(seed=5, device="cpu").root_device
+        device(type='cpu')
+    """
+
+
+_REGISTRATIONS: tuple[tuple[str, type, dict[str, Any]], ...] = (
+    ("ddp_deterministic", DeterministicDDPStrategy, {"start_method": "popen"}),
+    ("ddp_spawn_deterministic", DeterministicDDPStrategy, {"start_method": "spawn"}),
+    ("ddp_fork_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
+    ("ddp_notebook_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
+    ("fsdp_deterministic", DeterministicFSDPStrategy, {}),
+    ("single_device_deterministic", DeterministicSingleDeviceStrategy, {"device": "cpu"}),
+)
+
+
+def register_strategies() -> list[str]:
+    """Register the deterministic strategies in Lightning's ``StrategyRegistry``; safe to call again.
+
+    Returns:
+        The registered names.
+
+    Example:
+        >>> "ddp_deterministic" in register_strategies()
+        True
+    """
+    for name, cls, init_params in _REGISTRATIONS:
+        StrategyRegistry.register(
+            name,
+            cls,
+            description=f"{cls.__name__} {init_params or ''}".strip(),
+            override=True,
+            **init_params,
+        )
+    return [name for name, _, _ in _REGISTRATIONS]
+
+
+__all__ = [
+    "DeterministicDDPStrategy",
+    "DeterministicFSDPStrategy",
+    "DeterministicSingleDeviceStrategy",
+    "DeterministicStrategyMixin",
+    "register_strategies",
+]

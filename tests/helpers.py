@@ -1,0 +1,88 @@
+"""Helpers for multi-process tests: fast forked gloo ranks whose real failure is the one reported."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 30.0
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _rank_entry(
+    rank: int, fn: Callable[..., Any], world_size: int, workdir: str, start_method: str, args: tuple[Any, ...]
+) -> None:
+    err_file = Path(workdir) / f"error-rank{rank}.txt"
+    try:
+        torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=TIMEOUT_S),
+        )
+        fn(rank, world_size, *args)
+    except BaseException:
+        err_file.write_text(f"{time.time_ns()}\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], tmp_path: Path, *args: Any, world_size: int = 2, start_method: str = "fork"
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the earliest rank failure."""
+    workdir = tmp_path / f"dist-{time.time_ns()}"
+    workdir.mkdir()
+    ctx = mp.start_processes(
+        _rank_entry,
+        args=(fn, world_size, str(workdir), start_method, args),
+        nprocs=world_size,
+        join=False,
+        start_method=start_method,
+    )
+    deadline = time.monotonic() + TIMEOUT_S + 30
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise TimeoutError(f"{world_size} ranks did not finish within {TIMEOUT_S + 30:.0f} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        reports = sorted(
+            (int(text.split("\n", 1)[0]), path.name, text.split("\n", 1)[1])
+            for path in workdir.glob("error-rank*.txt")
+            for text in [path.read_text()]
+        )
+        if reports:
+            _, name, trace = reports[0]
+            raise AssertionError(f"earliest failure ({name}):\n{trace}") from err
+        raise
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def env_without(*keys: str) -> dict[str, str]:
+    """A copy of ``os.environ`` without ``keys``."""
+    return {key: value for key, value in os.environ.items() if key not in keys}

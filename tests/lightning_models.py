@@ -1,0 +1,133 @@
+"""Small Lightning modules and callbacks for the strategy tests; importable, so the spawn path can pickle them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+def state_digest(module: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def draws() -> dict[str, Any]:
+    """One draw from each global stream: python, numpy, torch."""
+    return {
+        "python": random.random(),
+        "numpy": float(np.random.rand()),
+        "torch": torch.rand(4).tolist(),
+    }
+
+
+def reference_draws(seed: int) -> dict[str, Any]:
+    """What :func:`draws` returns right after seeding every stream with ``seed``, from private generators."""
+    return {
+        "python": random.Random(seed).random(),
+        "numpy": float(np.random.RandomState(seed).rand()),
+        "torch": torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist(),
+    }
+
+
+def build_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 1))
+
+
+class IndexDataset(Dataset):
+    """Sample ``i`` is ``(i, x_i, y_i)`` with fixed features, so batches say which indices a rank saw."""
+
+    def __init__(self, n: int = 32) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=gen)
+        self.y = torch.randn(n, 1, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+class RecordingModule(L.LightningModule):
+    """Builds its network in ``configure_model`` and records, per rank, what the strategy tests check."""
+
+    def __init__(self, out_dir: str, n: int = 32, batch_size: int = 4) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.n = n
+        self.batch_size = batch_size
+        self.net: nn.Module | None = None
+        self.record: dict[str, Any] = {"indices": [], "dropout": []}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = build_net()
+            self.record["init_digest"] = state_digest(self.net)
+
+    def on_fit_start(self) -> None:
+        # The strategy's setup just ended: nothing has drawn from the global streams since.
+        self.record["draws"] = draws()
+        self.record["digest_at_start"] = state_digest(self.net)
+        self.record["flags"] = {
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        }
+        self.record["rank"] = self.global_rank
+        self.record["pl_global_seed"] = os.environ.get("PL_GLOBAL_SEED")
+        self.record["base_seed"] = self.trainer.strategy.base_seed
+        self.record["local_seed"] = self.trainer.strategy.local_seed
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, x, y = batch
+        self.record["indices"].append(idx.tolist())
+        mask = nn.functional.dropout(torch.ones(8), 0.5, training=True)
+        self.record["dropout"].append(mask.tolist())
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_fit_end(self) -> None:
+        self.record["final_digest"] = state_digest(self.net)
+        path = Path(self.out_dir) / f"rank{self.global_rank}.json"
+        path.write_text(json.dumps(self.record))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexDataset(self.n), batch_size=self.batch_size, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def read_records(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def fit(strategy: Any, out_dir: Path, devices: int = 2, max_epochs: int = 1, **module_kwargs: Any) -> None:
+    """A quiet CPU fit of :class:`RecordingModule`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out_dir),
+    )
+    trainer.fit(RecordingModule(str(out_dir), **module_kwargs))
