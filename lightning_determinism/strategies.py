@@ -100,12 +100,12 @@ class DeterministicStrategyMixin:
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)  # type: ignore[misc]
         if self._ldet_base_seed is None:
             raise RuntimeError(
                 f"{type(self).__name__}.setup() ran before setup_environment(): the base seed is unknown. Let the"
                 " Trainer call both, in that order."
             )
+        super().setup(trainer)  # type: ignore[misc]
         local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
         seed_all(local)
         _record_seeds(self._ldet_base_seed, local)

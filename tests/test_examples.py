@@ -1,0 +1,35 @@
+"""The README's main job: the tiny LM trains on 2 processes (popen DDP) and reproduces its fingerprint."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
+
+
+def _run(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=240, cwd=EXAMPLE.parent
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.distributed
+def test_tiny_lm_twice_gives_the_same_fingerprint():
+    first, second = _run("--epochs", "1"), _run("--epochs", "1")
+    prints = [re.findall(r"weights sha256: ([0-9a-f]{64})", out) for out in (first, second)]
+    assert len(prints[0]) == 1 and prints[0] == prints[1]
+    assert "[rank: 0] lightning_determinism: base seed 42, local seed 42, debug_mode=error" in first
+    assert "[rank: 1] lightning_determinism: base seed 42, local seed 43, debug_mode=error" in first
+    losses = re.findall(r"epoch 0: val/loss (\d+\.\d+)", first)
+    assert losses == re.findall(r"epoch 0: val/loss (\d+\.\d+)", second) and len(losses) == 1
+
+
+def test_tiny_lm_seed_changes_the_fingerprint():
+    a = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "1"))
+    b = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "2"))
+    assert a and b and a != b

@@ -1,0 +1,125 @@
+import importlib
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+import lightning_determinism
+from lightning_determinism import (
+    DeterministicDDPStrategy,
+    DeterministicFSDPStrategy,
+    DeterministicSingleDeviceStrategy,
+    DeterministicStrategyMixin,
+)
+from lightning_determinism.strategies import register_strategies
+from tests.helpers import requires_cuda
+from tests.lightning_models import fit, read_records, reference_draws
+
+REGISTERED = {
+    "ddp_deterministic": (DeterministicDDPStrategy, "popen"),
+    "ddp_spawn_deterministic": (DeterministicDDPStrategy, "spawn"),
+    "ddp_fork_deterministic": (DeterministicDDPStrategy, "fork"),
+    "ddp_notebook_deterministic": (DeterministicDDPStrategy, "fork"),
+    "fsdp_deterministic": (DeterministicFSDPStrategy, None),
+    "single_device_deterministic": (DeterministicSingleDeviceStrategy, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_names_are_registered_on_import(name):
+    cls, start_method = REGISTERED[name]
+    strategy = StrategyRegistry.get(name)
+    assert type(strategy) is cls
+    assert isinstance(strategy, DeterministicStrategyMixin)
+    if start_method is not None:
+        assert strategy._start_method == start_method
+
+
+def test_registration_survives_a_second_import_and_call():
+    importlib.reload(lightning_determinism)
+    assert set(REGISTERED) <= set(register_strategies())
+    assert "ddp_deterministic" in StrategyRegistry
+
+
+def test_classes_are_the_lightning_strategies():
+    assert issubclass(DeterministicDDPStrategy, DDPStrategy)
+    assert issubclass(DeterministicFSDPStrategy, FSDPStrategy)
+    assert issubclass(DeterministicSingleDeviceStrategy, SingleDeviceStrategy)
+
+
+def test_trainer_accepts_the_registered_name():
+    trainer = L.Trainer(strategy="ddp_fork_deterministic", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DeterministicDDPStrategy)
+    assert trainer.strategy.debug_mode == "error"
+
+
+@pytest.mark.parametrize(("seed", "error"), [(-1, ValueError), (2**32, ValueError), (1.5, TypeError), ("1", TypeError)])
+def test_bad_seed_is_rejected_at_construction(seed, error):
+    with pytest.raises(error, match="`seed`"):
+        DeterministicDDPStrategy(seed=seed)
+
+
+def test_bad_debug_mode_is_rejected_at_construction():
+    with pytest.raises(ValueError, match="`debug_mode` must be one of"):
+        DeterministicDDPStrategy(debug_mode="always")
+
+
+def test_ddp_arguments_pass_through():
+    strategy = DeterministicDDPStrategy(seed=1, debug_mode=None, find_unused_parameters=True, start_method="spawn")
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy._start_method == "spawn"
+    assert (strategy.seed, strategy.debug_mode, strategy.base_seed, strategy.local_seed) == (1, "None", None, None)
+
+
+def test_setup_before_setup_environment_is_a_clear_error():
+    strategy = DeterministicSingleDeviceStrategy(seed=1)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(RuntimeError, match=r"setup\(\) ran before setup_environment\(\)"):
+        strategy.setup(trainer)
+
+
+def test_single_device_fit_seeds_base_plus_zero(tmp_path):
+    torch.manual_seed(1000)
+    fit(DeterministicSingleDeviceStrategy(seed=9), tmp_path, devices=1)
+    (record,) = read_records(tmp_path, 1)
+    assert (record["base_seed"], record["local_seed"]) == (9, 9)
+    assert record["draws"] == reference_draws(9)
+
+
+def test_lightning_cli_builds_the_strategy_from_a_class_path(tmp_path):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    from tests.lightning_models import RecordingModule
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 1\n"
+        "  logger: false\n"
+        "  strategy:\n"
+        "    class_path: lightning_determinism.DeterministicSingleDeviceStrategy\n"
+        "    init_args:\n"
+        "      seed: 17\n"
+        "      debug_mode: warn\n"
+        f"model:\n  out_dir: {tmp_path}\n"
+    )
+    cli = LightningCLI(RecordingModule, run=False, args=["--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, DeterministicSingleDeviceStrategy)
+    assert (strategy.seed, strategy.debug_mode) == (17, "warn")
+
+
+@requires_cuda
+def test_fsdp_on_gpu_seeds_and_flags(tmp_path):
+    n = torch.cuda.device_count()
+    trainer = L.Trainer(strategy=DeterministicFSDPStrategy(seed=21), accelerator="cuda", devices=1, max_epochs=1, logger=False)
+    from tests.lightning_models import RecordingModule
+
+    trainer.fit(RecordingModule(str(tmp_path)))
+    (record,) = read_records(tmp_path, 1)
+    assert (record["base_seed"], record["local_seed"]) == (21, 21)
+    assert record["flags"]["deterministic"] is True
+    assert n >= 1
