@@ -69,7 +69,10 @@ def main() -> None:
     print(f"{'':28s}{'median s':>10s}{'min s':>10s}")
     print(f"{'DDPStrategy (reference)':28s}{statistics.median(plain):10.3f}{min(plain):10.3f}")
     print(f"{'DeterministicDDPStrategy':28s}{statistics.median(ours):10.3f}{min(ours):10.3f}")
-    print(f"median ratio (deterministic / reference) over {args.pairs} pairs: {statistics.median(ratios):.4f}  (target <= 1.02)")
+    print(
+        f"median ratio (deterministic / reference) over {args.pairs} pairs: {statistics.median(ratios):.4f}"
+        "  (target <= 1.02)"
+    )
 
 
 if __name__ == "__main__":

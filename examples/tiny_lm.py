@@ -38,7 +38,8 @@ def make_corpus(n_sentences: int = 1500, seed: int = 0) -> str:
     """Sentences from a fixed grammar, drawn from a private generator so the corpus never changes."""
     rng = random.Random(seed)
     sentences = [
-        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}" for _ in range(n_sentences)
+        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}"
+        for _ in range(n_sentences)
     ]
     return " ".join(sentences)
 
@@ -154,8 +155,6 @@ def main(argv: list[str] | None = None) -> str:
     fingerprint = weights_fingerprint(model)
     if trainer.is_global_zero:
         print(f"weights sha256: {fingerprint}", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # a clean exit for every rank
     return fingerprint
 
 

@@ -7,6 +7,7 @@ Importing the package registers the deterministic strategies in Lightning's ``St
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.backends import configure_determinism, determinism_report
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.metrics import DistributedPerplexity, perplexity
 from lightning_determinism.seeding import derive_seed, set_seed
 from lightning_determinism.strategies import (
     DeterministicDDPStrategy,
@@ -20,6 +21,7 @@ register_strategies()
 
 __all__ = [
     "DeterminismWarning",
+    "DistributedPerplexity",
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",
     "DeterministicSingleDeviceStrategy",
@@ -28,5 +30,6 @@ __all__ = [
     "configure_determinism",
     "derive_seed",
     "determinism_report",
+    "perplexity",
     "set_seed",
 ]

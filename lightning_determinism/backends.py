@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from lightning_determinism.errors import DeterminismWarning
 
-DebugMode = Union[Literal["default", "warn", "error", 0, 1, 2], None]
-"""``None`` (touch nothing), ``"default"``/0, ``"warn"``/1 or ``"error"``/2, as in ``torch.set_deterministic_debug_mode``."""
+DebugMode = Union[Literal["default", "warn", "error", 0, 1, 2], None]  # noqa: UP007  (a runtime alias on 3.10)
+"""``None`` (touch nothing), ``"default"``/0, ``"warn"``/1 or ``"error"``/2, as torch's debug modes."""
 
 _MODES = {"default": 0, "warn": 1, "error": 2, 0: 0, 1: 1, 2: 2}
 _MODE_NAMES = {0: "default", 1: "warn", 2: "error"}
@@ -45,9 +45,7 @@ def normalize_debug_mode(debug_mode: object) -> int | None:
         return None
     if not isinstance(debug_mode, bool) and isinstance(debug_mode, (str, int)) and debug_mode in _MODES:
         return _MODES[debug_mode]
-    raise ValueError(
-        f"`debug_mode` must be one of None, 'default', 'warn', 'error', 0, 1, 2, got {debug_mode!r}"
-    )
+    raise ValueError(f"`debug_mode` must be one of None, 'default', 'warn', 'error', 0, 1, 2, got {debug_mode!r}")
 
 
 def debug_mode_name(debug_mode: object) -> str:
@@ -148,7 +146,9 @@ def determinism_report() -> dict[str, Any]:
     from lightning_determinism.__about__ import __version__
     from lightning_determinism.seeding import current_seeds  # seeding imports this module
 
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    rank, world_size = (
+        (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    )
     cudnn_available = torch.backends.cudnn.is_available()
     cuda_available = torch.cuda.is_available()
     return {

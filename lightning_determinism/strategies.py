@@ -9,23 +9,51 @@ two steps, both after Lightning's own:
    flags and seed every rank with the *base* seed, so ``setup``/``configure_model`` build identical weights;
 2. at the end of ``setup`` (the model is wrapped and synchronised): seed every rank with ``base + global_rank``,
    so dropout masks and other training-time draws differ between ranks, reproducibly.
+
+Validation and test loaders also get a sampler that counts every sample once (no padding with repeats), so a
+distributed metric over an evaluation set equals the single-process value.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any
 
+import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_determinism.backends import configure_determinism, debug_mode_name, normalize_debug_mode
+from lightning_determinism.samplers import unpad_eval_dataloader
 from lightning_determinism.seeding import _record_seeds, check_seed, resolve_base_seed, seed_all
 
 log = logging.getLogger(__name__)
+
+
+_EXIT_HOOK_REGISTERED = False
+
+
+def _destroy_gloo_group() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
+def _destroy_gloo_group_at_exit() -> None:
+    """Destroy a live gloo group when the interpreter exits (popen and torchrun ranks).
+
+    A process that exits with a live gloo group sometimes dies of ``terminate called without an active
+    exception`` (SIGABRT) while gloo's threads are torn down, which launchers report as a failed run.
+    """
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED:
+        atexit.register(_destroy_gloo_group)
+        _EXIT_HOOK_REGISTERED = True
 
 
 class DeterministicStrategyMixin:
@@ -79,14 +107,16 @@ class DeterministicStrategyMixin:
             return None
         return self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
 
+    # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
     @override
-    def setup_environment(self) -> None:
+    def setup_environment(self) -> None:  # type: ignore[misc]
         super().setup_environment()  # type: ignore[misc]
+        _destroy_gloo_group_at_exit()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
         base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
         self._ldet_base_seed = base
-        configure_determinism(self._ldet_debug_mode)
+        configure_determinism(self._ldet_debug_mode)  # type: ignore[arg-type]
         os.environ["PL_GLOBAL_SEED"] = str(base)
         # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
         seed_all(base)
@@ -99,7 +129,7 @@ class DeterministicStrategyMixin:
         )
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]
         if self._ldet_base_seed is None:
             raise RuntimeError(
                 f"{type(self).__name__}.setup() ran before setup_environment(): the base seed is unknown. Let the"
@@ -110,17 +140,48 @@ class DeterministicStrategyMixin:
         seed_all(local)
         _record_seeds(self._ldet_base_seed, local)
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is None or not trainer._accelerator_connector.use_distributed_sampler:
+            return dataloader  # the user manages samplers: leave theirs alone
+        if trainer.state.stage in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
+            # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
+            return unpad_eval_dataloader(dataloader)
+        return dataloader
+
+
+class _CleanExitLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, but each worker destroys its gloo group before it exits.
+
+    Multiprocessing workers leave through ``os._exit``, past any ``atexit`` hook (see
+    :func:`_destroy_gloo_group_at_exit`).
+    """
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        _destroy_gloo_group()
+
 
 class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` with deterministic seeding and backends.
 
     Registered as ``ddp_deterministic`` (popen), ``ddp_spawn_deterministic``, ``ddp_fork_deterministic`` and
-    ``ddp_notebook_deterministic``. All ``DDPStrategy`` arguments are accepted.
+    ``ddp_notebook_deterministic``. All ``DDPStrategy`` arguments are accepted. Spawned or forked workers destroy
+    their process group before exiting (a clean exit under gloo).
 
     Example:
         >>> DeterministicDDPStrategy(seed=1, start_method="fork").base_seed is None  # known once set up
         True
     """
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:
+            self._launcher = _CleanExitLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
 
 class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):

@@ -96,6 +96,7 @@ class RecordingModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         idx, x, y = batch
         self.record["indices"].append(idx.tolist())
+        self.record["train_sampler"] = type(self.trainer.train_dataloader.sampler).__name__
         mask = nn.functional.dropout(torch.ones(8), 0.5, training=True)
         self.record["dropout"].append(mask.tolist())
         return nn.functional.mse_loss(self.net(x), y)
@@ -131,3 +132,50 @@ def fit(strategy: Any, out_dir: Path, devices: int = 2, max_epochs: int = 1, **m
         default_root_dir=str(out_dir),
     )
     trainer.fit(RecordingModule(str(out_dir), **module_kwargs))
+
+
+class TokenDataset(Dataset):
+    """``n`` fixed sequences of token ids (from a private generator) for perplexity tests."""
+
+    def __init__(self, n: int = 7, length: int = 5, vocab: int = 11) -> None:
+        gen = torch.Generator().manual_seed(4321)
+        self.ids = torch.randint(vocab, (n, length + 1), generator=gen)
+        self.vocab = vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
+
+
+class PerplexityModule(L.LightningModule):
+    """A fixed bigram-ish model (weights from a private generator) that logs a perplexity metric per epoch."""
+
+    def __init__(self, out_dir: str, metric_factory: Any, vocab: int = 11, n: int = 7) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.n = n
+        gen = torch.Generator().manual_seed(99)
+        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=gen) * 2)
+        self.val_ppl = metric_factory()
+        self.seen: list[int] = []
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[input_ids]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.seen.append(int(batch["input_ids"].shape[0]))
+        self.val_ppl.update(self(batch["input_ids"]), batch["labels"])
+        self.log("val/ppl", self.val_ppl, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        record = {
+            "ppl": float(self.trainer.callback_metrics["val/ppl"]),
+            "seen": self.seen,
+            "dtypes": [str(self.val_ppl.nll_sum.dtype), str(getattr(self.val_ppl, "count", self.table).dtype)],
+        }
+        (Path(self.out_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(self.n), batch_size=2)

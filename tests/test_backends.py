@@ -9,14 +9,18 @@ from lightning_determinism import DeterminismWarning, configure_determinism, det
 from lightning_determinism.backends import debug_mode_name, normalize_debug_mode
 
 
-@pytest.mark.parametrize(("mode", "expected"), [(None, None), ("default", 0), (0, 0), ("warn", 1), (1, 1), ("error", 2), (2, 2)])
+@pytest.mark.parametrize(
+    ("mode", "expected"), [(None, None), ("default", 0), (0, 0), ("warn", 1), (1, 1), ("error", 2), (2, 2)]
+)
 def test_normalize_debug_mode(mode, expected):
     assert normalize_debug_mode(mode) == expected
 
 
 @pytest.mark.parametrize("mode", ["strict", "ERROR", 3, -1, True, 1.0, "1"])
 def test_unknown_debug_mode_lists_accepted_values(mode):
-    with pytest.raises(ValueError, match=rf"`debug_mode` must be one of None, 'default', 'warn', 'error', 0, 1, 2, got {mode!r}"):
+    with pytest.raises(
+        ValueError, match=rf"`debug_mode` must be one of None, 'default', 'warn', 'error', 0, 1, 2, got {mode!r}"
+    ):
         configure_determinism(mode)
 
 

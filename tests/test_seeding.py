@@ -24,7 +24,9 @@ def test_check_seed_accepts_the_torchtune_range(seed, world_size):
     assert value == int(seed)
 
 
-@pytest.mark.parametrize(("seed", "world_size", "hi"), [(-1, 1, HI), (HI + 1, 1, HI), (HI, 2, HI - 1), (HI - 2, 4, HI - 3)])
+@pytest.mark.parametrize(
+    ("seed", "world_size", "hi"), [(-1, 1, HI), (HI + 1, 1, HI), (HI, 2, HI - 1), (HI - 2, 4, HI - 3)]
+)
 def test_check_seed_rejects_out_of_range_with_range_and_value(seed, world_size, hi):
     with pytest.raises(ValueError, match=rf"`seed` must be in \[0, {hi}\] for world_size={world_size}, got {seed}"):
         check_seed(seed, world_size)
@@ -113,7 +115,13 @@ def test_derive_seed_is_deterministic_in_range_and_order_sensitive():
 
 
 def test_derive_seed_has_no_collisions_over_a_grid():
-    seeds = {derive_seed(base, rank, worker, epoch) for base in (0, 1, 2) for rank in range(8) for worker in range(8) for epoch in range(8)}
+    seeds = {
+        derive_seed(base, rank, worker, epoch)
+        for base in (0, 1, 2)
+        for rank in range(8)
+        for worker in range(8)
+        for epoch in range(8)
+    }
     assert len(seeds) == 3 * 8 * 8 * 8
 
 
@@ -121,14 +129,21 @@ def test_derive_seed_does_not_depend_on_the_python_hash_seed():
     code = "from lightning_determinism import derive_seed; print(derive_seed(5, 'stream', 2**70))"
     outputs = {
         subprocess.run(
-            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": salt}, capture_output=True, text=True, check=True
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": salt},
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         for salt in ("1", "2")
     }
     assert outputs == {str(derive_seed(5, "stream", 2**70))}
 
 
-@pytest.mark.parametrize(("keys", "error"), [((), ValueError), ((-1,), ValueError), ((1.5,), TypeError), ((True,), TypeError), ((None,), TypeError)])
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [((), ValueError), ((-1,), ValueError), ((1.5,), TypeError), ((True,), TypeError), ((None,), TypeError)],
+)
 def test_derive_seed_rejects_bad_keys(keys, error):
     with pytest.raises(error, match="derive_seed"):
         derive_seed(*keys)

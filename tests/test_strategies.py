@@ -115,7 +115,9 @@ def test_lightning_cli_builds_the_strategy_from_a_class_path(tmp_path):
 @requires_cuda
 def test_fsdp_on_gpu_seeds_and_flags(tmp_path):
     n = torch.cuda.device_count()
-    trainer = L.Trainer(strategy=DeterministicFSDPStrategy(seed=21), accelerator="cuda", devices=1, max_epochs=1, logger=False)
+    trainer = L.Trainer(
+        strategy=DeterministicFSDPStrategy(seed=21), accelerator="cuda", devices=1, max_epochs=1, logger=False
+    )
     from tests.lightning_models import RecordingModule
 
     trainer.fit(RecordingModule(str(tmp_path)))

@@ -1,0 +1,1 @@
+"""Lightning callbacks: worker seeding, RNG-state checkpointing, numerical baselines."""

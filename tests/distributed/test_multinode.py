@@ -22,9 +22,20 @@ def test_two_nodes_with_torchrun(tmp_path):
     env = {**os.environ, "PL_GLOBAL_SEED": "31", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [torchrun, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", "--master-addr=127.0.0.1",
-             f"--master-port={port}", str(SCRIPT), str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                torchrun,
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(SCRIPT),
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for node in (0, 1)
     ]

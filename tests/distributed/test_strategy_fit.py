@@ -65,6 +65,7 @@ def test_none_takes_seed_everything_and_sampler_follows_it(tmp_path):
         assert record["draws"] == reference_draws(123 + rank)
         expected = list(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=123))
         assert sum(record["indices"], []) == expected
+        assert record["train_sampler"] == "DistributedSampler"  # training keeps Lightning's padded sampler
 
 
 def test_none_without_seed_everything_broadcasts_one_seed(tmp_path, monkeypatch):
@@ -96,7 +97,10 @@ def test_initial_weights_match_across_ranks_and_single_process(tmp_path):
     [
         ("error", {"deterministic": True, "warn_only": False, "cudnn_deterministic": True, "cudnn_benchmark": False}),
         ("warn", {"deterministic": True, "warn_only": True, "cudnn_deterministic": True, "cudnn_benchmark": False}),
-        ("default", {"deterministic": False, "warn_only": False, "cudnn_deterministic": False, "cudnn_benchmark": True}),
+        (
+            "default",
+            {"deterministic": False, "warn_only": False, "cudnn_deterministic": False, "cudnn_benchmark": True},
+        ),
     ],
 )
 def test_backend_flags_follow_debug_mode(tmp_path, debug_mode, expected):
