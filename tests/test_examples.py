@@ -1,5 +1,6 @@
 """The README's main job: the tiny LM trains on 2 processes (popen DDP) and reproduces its fingerprint."""
 
+import math
 import re
 import subprocess
 import sys
@@ -25,8 +26,11 @@ def test_tiny_lm_twice_gives_the_same_fingerprint():
     assert len(prints[0]) == 1 and prints[0] == prints[1]
     assert "[rank: 0] lightning_determinism: base seed 42, local seed 42, debug_mode=error" in first
     assert "[rank: 1] lightning_determinism: base seed 42, local seed 43, debug_mode=error" in first
-    losses = re.findall(r"epoch 0: val/loss (\d+\.\d+)", first)
-    assert losses == re.findall(r"epoch 0: val/loss (\d+\.\d+)", second) and len(losses) == 1
+    pattern = r"epoch 0: val/loss (\d+\.\d+) val/ppl (\d+\.\d+)"
+    figures = re.findall(pattern, first)
+    assert figures == re.findall(pattern, second) and len(figures) == 1
+    loss, ppl = map(float, figures[0])
+    assert abs(ppl - math.exp(loss)) < 1e-4 * ppl  # equal-length windows: mean of means == token mean
 
 
 def test_tiny_lm_seed_changes_the_fingerprint():
