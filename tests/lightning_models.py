@@ -179,3 +179,130 @@ class PerplexityModule(L.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TokenDataset(self.n), batch_size=2)
+
+
+class StreamDataset(Dataset):
+    """Each item says which worker produced it and draws once from each global stream (python, numpy, torch)."""
+
+    def __init__(self, n: int = 16, tag: int = 0) -> None:
+        self.n = n
+        self.tag = tag
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        info = torch.utils.data.get_worker_info()
+        return {
+            "index": i,
+            "tag": self.tag,
+            "worker": -1 if info is None else info.id,
+            "torch_seed": str(torch.initial_seed()),
+            "pytorch_worker_seed": "none" if info is None else str(info.seed),
+            "torch": torch.rand(3).tolist(),
+            "numpy": float(np.random.rand()),
+            "python": random.random(),
+        }
+
+
+class PlainBatches:
+    """An iterable of batches that is not a DataLoader."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        return iter([[self.dataset[j] for j in range(i, i + 2)] for i in range(0, len(self.dataset), 2)])
+
+    def __len__(self) -> int:
+        return len(self.dataset) // 2
+
+
+def user_worker_init(worker_id: int) -> None:
+    """A user's own worker_init_fn: it overrides the torch stream of each worker."""
+    torch.manual_seed(1000 + worker_id)
+
+
+def _uncollated(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return batch
+
+
+class StreamModule(L.LightningModule):
+    """Records every sample's worker and draws, per rank, epoch and loader."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        n: int = 16,
+        batch_size: int = 2,
+        num_workers: int = 2,
+        persistent_workers: bool = False,
+        dropout: float = 0.0,
+        shuffle: bool = True,
+        user_init: bool = False,
+        loaders: str = "single",
+    ) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.n, self.batch_size, self.num_workers = n, batch_size, num_workers
+        self.persistent_workers, self.shuffle, self.user_init, self.loaders = persistent_workers, shuffle, user_init, loaders
+        self.dropout = dropout
+        self.layer = nn.Linear(1, 1)
+        self.samples: list[dict[str, Any]] = []
+
+    def _loader(self, tag: int) -> DataLoader:
+        return DataLoader(
+            StreamDataset(self.n, tag),
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.persistent_workers and self.num_workers > 0,
+            worker_init_fn=user_worker_init if self.user_init else None,
+            collate_fn=_uncollated,
+        )
+
+    def train_dataloader(self) -> Any:
+        if self.loaders == "dict":
+            return {"a": self._loader(0), "b": self._loader(1)}
+        if self.loaders == "list-of-batches":
+            return PlainBatches(StreamDataset(4))
+        return self._loader(0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        parts = batch.values() if isinstance(batch, dict) else [batch]
+        for part in parts:
+            for sample in part:
+                self.samples.append({**sample, "epoch": self.current_epoch, "rank": self.global_rank})
+        if self.dropout:
+            nn.functional.dropout(torch.ones(64), self.dropout, training=True)  # consumes the global torch RNG
+        return self.layer(torch.ones(1, 1)).sum()
+
+    def on_fit_end(self) -> None:
+        path = Path(self.out_dir) / f"samples-rank{self.global_rank}.json"
+        path.write_text(json.dumps(self.samples))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def fit_streams(strategy: Any, out_dir: Path, callbacks: list[Any], devices: int = 2, epochs: int = 2, **kw: Any):
+    """Fit :class:`StreamModule` and return every rank's recorded samples."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(StreamModule(str(out_dir), **kw))
+    samples = []
+    for rank in range(devices):
+        samples.extend(json.loads((out_dir / f"samples-rank{rank}.json").read_text()))
+    return samples, trainer
