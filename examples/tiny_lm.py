@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 
-from lightning_determinism import DistributedPerplexity  # noqa: E402  (importing registers "ddp_deterministic")
+from lightning_determinism import DistributedPerplexity, WorkerSeedCallback  # noqa: E402  (registers the strategies)
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the old sailor", "a small bird", "the teacher", "our neighbour"]
 VERBS = ["sees", "likes", "follows", "draws", "finds", "remembers", "carries"]
@@ -46,17 +46,23 @@ def make_corpus(n_sentences: int = 1500, seed: int = 0) -> str:
 
 
 class CharWindows(Dataset):
-    """Fixed windows of ``length + 1`` characters: inputs are the first ``length``, targets the last ``length``."""
+    """Windows of ``length + 1`` characters: inputs are the first ``length``, targets the last ``length``.
 
-    def __init__(self, ids: torch.Tensor, length: int) -> None:
+    With ``random_crop`` the window starts at a random offset inside its slot: an augmentation drawn in the
+    data-loader workers, which ``WorkerSeedCallback`` makes reproducible and distinct per rank, worker and epoch.
+    """
+
+    def __init__(self, ids: torch.Tensor, length: int, random_crop: bool = False) -> None:
         self.ids = ids
         self.length = length
+        self.random_crop = random_crop
 
     def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.length
+        return (len(self.ids) - 1) // self.length - (1 if self.random_crop else 0)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        chunk = self.ids[i * self.length : (i + 1) * self.length + 1]
+        start = i * self.length + (random.randrange(self.length) if self.random_crop else 0)
+        chunk = self.ids[start : start + self.length + 1]
         return {"input_ids": chunk[:-1], "labels": chunk[1:]}
 
 
@@ -123,7 +129,7 @@ def build_data(length: int = 64) -> tuple[CharWindows, CharWindows, int]:
     vocab = sorted(set(text))
     ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
     split = int(len(ids) * 0.9)
-    return CharWindows(ids[:split], length), CharWindows(ids[split:], length), len(vocab)
+    return CharWindows(ids[:split], length, random_crop=True), CharWindows(ids[split:], length), len(vocab)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,6 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2, help="data-loader workers per process")
     return parser.parse_args(argv)
 
 
@@ -155,12 +162,21 @@ def main(argv: list[str] | None = None) -> str:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        # Seeds every (rank, worker, epoch) stream; per_sample: each crop depends on (seed, epoch, index) only,
+        # so the result is the same for any --workers.
+        callbacks=[WorkerSeedCallback(per_sample=True)],
     )
     L.seed_everything(args.seed, verbose=False)  # the strategy takes this as its base seed
     model = TinyLM(vocab_size)
     trainer.fit(
         model,
-        train_dataloaders=DataLoader(train_set, batch_size=args.batch_size, shuffle=True),
+        train_dataloaders=DataLoader(
+            train_set,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+        ),
         val_dataloaders=DataLoader(val_set, batch_size=args.batch_size),
     )
     fingerprint = weights_fingerprint(model)

@@ -247,7 +247,12 @@ class StreamModule(L.LightningModule):
         super().__init__()
         self.out_dir = out_dir
         self.n, self.batch_size, self.num_workers = n, batch_size, num_workers
-        self.persistent_workers, self.shuffle, self.user_init, self.loaders = persistent_workers, shuffle, user_init, loaders
+        self.persistent_workers, self.shuffle, self.user_init, self.loaders = (
+            persistent_workers,
+            shuffle,
+            user_init,
+            loaders,
+        )
         self.dropout = dropout
         self.layer = nn.Linear(1, 1)
         self.samples: list[dict[str, Any]] = []

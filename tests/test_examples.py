@@ -33,6 +33,13 @@ def test_tiny_lm_twice_gives_the_same_fingerprint():
     assert abs(ppl - math.exp(loss)) < 1e-4 * ppl  # equal-length windows: mean of means == token mean
 
 
+@pytest.mark.distributed
+def test_tiny_lm_fingerprint_does_not_depend_on_workers():
+    with_workers = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--workers", "2"))
+    in_process = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--workers", "0"))
+    assert with_workers and with_workers == in_process
+
+
 def test_tiny_lm_seed_changes_the_fingerprint():
     a = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "1"))
     b = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "2"))

@@ -59,7 +59,7 @@ def test_without_the_callback_lightning_repeats_streams_across_ranks(tmp_path):
 def test_users_worker_init_fn_runs_after_ours(tmp_path):
     samples, _ = fit_streams(_ddp(), tmp_path, [WorkerSeedCallback()], epochs=1, user_init=True)
     streams = _streams(samples)
-    for (rank, epoch, worker), draws in streams.items():
+    for (_rank, _epoch, worker), draws in streams.items():
         expected = torch.rand(3, generator=torch.Generator().manual_seed(1000 + worker)).tolist()
         assert draws["torch"][0] == str(expected)  # the user's override won for torch
     assert streams[(0, 0, 0)]["numpy"] != streams[(1, 0, 0)]["numpy"]  # ours still seeded the rest
