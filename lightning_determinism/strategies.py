@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_determinism.backends import configure_determinism, debug_mode_name, normalize_debug_mode
 from lightning_determinism.samplers import unpad_eval_dataloader
 from lightning_determinism.seeding import _record_seeds, check_seed, resolve_base_seed, seed_all
+from lightning_determinism.topology import Topology, model_parallel_seed, stream_seeds
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,15 @@ def _destroy_gloo_group_at_exit() -> None:
         _EXIT_HOOK_REGISTERED = True
 
 
+def _world_of(degrees: dict[str, Any]) -> int:
+    """The world size a dict of degrees implies, with ``dp_degree`` missing taken as 1 (validation only)."""
+    world = 1
+    for key in ("dp_degree", "pp_degree", "sharding_degree", "mp_degree", "sep_degree"):
+        value = degrees.get(key, 1)
+        world *= value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+    return world
+
+
 class DeterministicStrategyMixin:
     """Adds rank-offset seeding and deterministic backends to a Lightning strategy.
 
@@ -66,6 +76,11 @@ class DeterministicStrategyMixin:
             draws one from OS entropy; either way rank 0's choice is broadcast so all ranks agree.
         debug_mode: backend flags, as in :func:`~lightning_determinism.configure_determinism`; ``None`` leaves
             every flag as it is.
+        topology: for model parallelism, the degrees as a dict (``{"mp_degree": 2, ...}``, the keyword arguments of
+            :class:`~lightning_determinism.topology.Topology` but rank and world size) or a ``Topology``. With one,
+            training-time streams come from :func:`~lightning_determinism.topology.model_parallel_seed` (identical
+            across tensor-parallel peers, distinct across data-parallel replicas and pipeline stages) instead of
+            ``base + global_rank``, and the tracker's ``"model-parallel-rng"`` stream is set up.
         args: passed on to the strategy.
         kwargs: passed on to the strategy.
 
@@ -79,10 +94,24 @@ class DeterministicStrategyMixin:
         (42, 'warn')
     """
 
-    def __init__(self, *args: Any, seed: int | None = None, debug_mode: Any = "error", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        seed: int | None = None,
+        debug_mode: Any = "error",
+        topology: Topology | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self._ldet_seed = None if seed is None else check_seed(seed)
         self._ldet_debug_mode = normalize_debug_mode(debug_mode)
+        if topology is not None and not isinstance(topology, (Topology, dict)):
+            raise TypeError(f"`topology` must be a Topology, a dict of degrees or None, got {type(topology).__name__}")
+        if isinstance(topology, dict):
+            Topology(0, _world_of(topology), **topology)  # validate the degrees now, not after launching
+        self._ldet_topology_spec = topology
+        self.topology: Topology | None = topology if isinstance(topology, Topology) else None
         self._ldet_base_seed: int | None = None
+        self._ldet_local_seed: int | None = None
         super().__init__(*args, **kwargs)
 
     @property
@@ -102,10 +131,10 @@ class DeterministicStrategyMixin:
 
     @property
     def local_seed(self) -> int | None:
-        """``base_seed + global_rank``: what this rank's training-time streams are seeded with."""
-        if self._ldet_base_seed is None:
-            return None
-        return self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
+        """What this rank's training-time streams are seeded with: ``base_seed + global_rank``, or with a topology
+        the ``default`` seed of :func:`~lightning_determinism.topology.stream_seeds`.
+        """
+        return self._ldet_local_seed
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
     @override
@@ -116,6 +145,15 @@ class DeterministicStrategyMixin:
         world_size: int = self.world_size  # type: ignore[attr-defined]
         base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
         self._ldet_base_seed = base
+        spec = self._ldet_topology_spec
+        if isinstance(spec, dict):
+            self.topology = Topology(rank, world_size, **spec)
+        elif isinstance(spec, Topology) and (spec.rank, spec.world_size) != (rank, world_size):
+            raise ValueError(
+                f"[rank: {rank}] `topology` was built for rank {spec.rank} of {spec.world_size}, but this process is"
+                f" rank {rank} of {world_size}; pass the degrees as a dict to build it on every rank"
+            )
+        self._ldet_local_seed = stream_seeds(base, self.topology)["default"] if self.topology else base + rank
         configure_determinism(self._ldet_debug_mode)  # type: ignore[arg-type]
         os.environ["PL_GLOBAL_SEED"] = str(base)
         # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
@@ -123,7 +161,8 @@ class DeterministicStrategyMixin:
         _record_seeds(base, base)
         log.info(
             rank_prefixed_message(
-                f"lightning_determinism: base seed {base}, local seed {base + rank}, debug_mode={self.debug_mode}",
+                f"lightning_determinism: base seed {base}, local seed {self._ldet_local_seed},"
+                f" debug_mode={self.debug_mode}",
                 rank,
             )
         )
@@ -136,9 +175,12 @@ class DeterministicStrategyMixin:
                 " Trainer call both, in that order."
             )
         super().setup(trainer)  # type: ignore[misc]
-        local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
-        seed_all(local)
-        _record_seeds(self._ldet_base_seed, local)
+        if self.topology is not None:
+            model_parallel_seed(self._ldet_base_seed, self.topology)
+        else:
+            local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
+            seed_all(local)
+            _record_seeds(self._ldet_base_seed, local)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]
