@@ -30,46 +30,55 @@ def _cuda_ready() -> bool:
 
 
 class _Fork:
-    """The context manager returned by :meth:`RNGStatesTracker.fork` (a class: cheaper than a generator)."""
+    """The context manager :meth:`RNGStatesTracker.fork` returns: one per stream, reused (cheaper than a generator).
 
-    __slots__ = ("_cuda", "_name", "_nested", "_saved_cpu", "_saved_cuda", "_tracker")
+    Nesting is counted per stream: a fork of the stream already active only deepens the count, since switching
+    again would replay the stream's stored, stale state.
+    """
+
+    __slots__ = ("_depth", "_name", "_saved_cpu", "_saved_cuda", "_stream", "_tracker")
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self._name = name
+        self._depth = 0
+        self._stream: dict[str, torch.Tensor] | None = None
+        self._saved_cuda: torch.Tensor | None = None
 
     def __enter__(self) -> None:
-        tracker, name = self._tracker, self._name
-        stream = tracker._states.get(name)
+        if self._depth:
+            self._depth += 1
+            return
+        stream = self._tracker._states.get(self._name)
         if stream is None:
             raise RuntimeError(
-                f"RNG stream {name!r} is not tracked; register it with `get_rng_tracker().add({name!r}, seed)` or"
-                " call `model_parallel_seed(seed, topology)` first"
+                f"RNG stream {self._name!r} is not tracked; register it with `get_rng_tracker().add({self._name!r},"
+                " seed)` or call `model_parallel_seed(seed, topology)` first"
             )
-        self._nested = name in tracker._active
-        if self._nested:  # already on this stream: switching again would replay its stored (stale) state
-            return
-        tracker._active.add(name)
-        cpu = torch.default_generator
-        self._saved_cpu = cpu.get_state()
-        cpu.set_state(stream["cpu"])
-        self._cuda = "cuda" in stream and _cuda_ready()
-        if self._cuda:
+        self._depth = 1
+        self._stream = stream
+        self._saved_cpu = _CPU.get_state()
+        _CPU.set_state(stream["cpu"])
+        if "cuda" in stream and _cuda_ready():
             self._saved_cuda = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(stream["cuda"])
 
     def __exit__(self, *exc: object) -> None:
-        if self._nested:
+        self._depth -= 1
+        if self._depth:
             return
-        tracker, name = self._tracker, self._name
-        stream = tracker._states[name]
-        cpu = torch.default_generator
-        stream["cpu"] = cpu.get_state()  # the advanced state: the next fork continues the sequence
-        cpu.set_state(self._saved_cpu)
-        if self._cuda:
+        stream = self._stream
+        assert stream is not None
+        stream["cpu"] = _CPU.get_state()  # the advanced state: the next fork continues the sequence
+        _CPU.set_state(self._saved_cpu)
+        if self._saved_cuda is not None:
             stream["cuda"] = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(self._saved_cuda)
-        tracker._active.discard(name)
+            self._saved_cuda = None
+        self._stream = None
+
+
+_CPU = torch.default_generator
 
 
 class RNGStatesTracker:
@@ -94,7 +103,7 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._seeds: dict[str, int] = {}
-        self._active: set[str] = set()
+        self._forks: dict[str, _Fork] = {}
 
     def __contains__(self, name: object) -> bool:
         return name in self._states
@@ -111,7 +120,7 @@ class RNGStatesTracker:
         """Forget every stream."""
         self._states.clear()
         self._seeds.clear()
-        self._active.clear()
+        self._forks.clear()
 
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``, without touching the caller's RNG.
@@ -144,7 +153,10 @@ class RNGStatesTracker:
         Raises:
             RuntimeError: on entering, if ``name`` is not tracked.
         """
-        return _Fork(self, name)
+        fork = self._forks.get(name)
+        if fork is None:
+            fork = self._forks[name] = _Fork(self, name)
+        return fork
 
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every stream's state and seed, as tensors (checkpoint-safe)."""
@@ -167,7 +179,7 @@ class RNGStatesTracker:
             new_seeds[name] = int(state["seed"])
             new_states[name] = {k: v.clone() for k, v in state.items() if k != "seed"}
         self._states, self._seeds = new_states, new_seeds
-        self._active.clear()
+        self._forks.clear()
 
 
 _TRACKER = RNGStatesTracker()

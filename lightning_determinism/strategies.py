@@ -131,8 +131,10 @@ class DeterministicStrategyMixin:
 
     @property
     def local_seed(self) -> int | None:
-        """What this rank's training-time streams are seeded with: ``base_seed + global_rank``, or with a topology
-        the ``default`` seed of :func:`~lightning_determinism.topology.stream_seeds`.
+        """The seed of this rank's training-time streams.
+
+        ``base_seed + global_rank``, or with a topology the ``default`` seed of
+        :func:`~lightning_determinism.topology.stream_seeds`; ``None`` until the environment is set up.
         """
         return self._ldet_local_seed
 

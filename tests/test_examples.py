@@ -44,3 +44,20 @@ def test_tiny_lm_seed_changes_the_fingerprint():
     a = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "1"))
     b = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "2"))
     assert a and b and a != b
+
+
+@pytest.mark.distributed
+def test_model_parallel_example_prints_the_2x2_pattern():
+    script = EXAMPLE.parent / "model_parallel_seeding.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(
+        r"rank (\d): dp (\d) mp (\d) \| default (\w+) .*model-parallel-rng (\w+) .*'noise'\) (\w+)", result.stdout
+    )
+    assert [r[:3] for r in rows] == [("0", "0", "0"), ("1", "0", "1"), ("2", "1", "0"), ("3", "1", "1")]
+    default = [r[3] for r in rows]
+    tensor_parallel = [r[4] for r in rows]
+    noise = [r[5] for r in rows]
+    assert default[0] == default[1] != default[2] == default[3]
+    assert tensor_parallel[0] == tensor_parallel[2] != tensor_parallel[1] == tensor_parallel[3]
+    assert len(set(noise)) == 4

@@ -1,0 +1,65 @@
+"""Cost of one RNGStatesTracker.fork() enter + exit against a bare torch.get_rng_state() + torch.set_rng_state().
+
+Target: ratio <= 1.5.
+
+    python benchmarks/tracker.py [--number 20000] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import timeit
+
+import torch
+
+from lightning_determinism.rng import RNGStatesTracker, generator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--number", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tracker = RNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    def bare_pair() -> None:
+        torch.set_rng_state(torch.get_rng_state())
+
+    def fork() -> None:
+        with tracker.fork():
+            pass
+
+    def fork_with_draw() -> None:
+        with tracker.fork():
+            torch.rand(1)
+
+    def draw() -> None:
+        torch.rand(1)
+
+    import os
+
+    os.environ.setdefault("LDET_BASE_SEED", "0")
+    noise = generator("bench")
+
+    def draw_from_generator() -> None:
+        torch.rand(1, generator=noise)
+
+    def per_call_us(fn) -> float:
+        runs = timeit.repeat(fn, number=args.number, repeat=args.repeats)
+        return statistics.median(runs) / args.number * 1e6
+
+    reference = per_call_us(bare_pair)
+    fork_us = per_call_us(fork)
+    print(f"{'':48s}{'us per call':>12s}{'ratio':>8s}")
+    print(f"{'get_rng_state() + set_rng_state() (reference)':48s}{reference:12.3f}{1.0:8.2f}")
+    print(f"{'tracker.fork() enter + exit':48s}{fork_us:12.3f}{fork_us / reference:8.2f}   (target <= 1.5)")
+    print(f"{'torch.rand(1)':48s}{per_call_us(draw):12.3f}")
+    print(f"{'fork + torch.rand(1)':48s}{per_call_us(fork_with_draw):12.3f}")
+    print(f"{'torch.rand(1, generator=generator(name))':48s}{per_call_us(draw_from_generator):12.3f}")
+
+
+if __name__ == "__main__":
+    main()
