@@ -4,7 +4,7 @@ One process, ``num_workers=2``, a dataset that does a little CPU work per item (
 alternating between a Trainer without the callback (Lightning's default seeding, ``seed_everything(0)``) and
 one with ``WorkerSeedCallback()`` (and, for information, ``per_sample=True``). Target: ratio <= 1.02.
 
-    python benchmarks/worker_seed.py [--repeats 7]
+    python benchmarks/worker_seed.py [--repeats 9]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lightning_determinism import WorkerSeedCallback
 
 
 class CropDataset(Dataset):
-    def __init__(self, n: int = 2048, length: int = 4096) -> None:
+    def __init__(self, n: int = 1024, length: int = 32768) -> None:
         self.data = torch.randn(n + 1, length, generator=torch.Generator().manual_seed(0))
         self.length = length
 
@@ -39,7 +39,7 @@ class CropDataset(Dataset):
 class Timed(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.layer = nn.Linear(2048, 1)
+        self.layer = nn.Linear(16384, 1)
         self.stamps: list[float] = []
 
     def on_fit_start(self) -> None:
@@ -75,7 +75,7 @@ def run(callbacks: list) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(1)
     configs = {
