@@ -6,7 +6,7 @@ Importing the package registers the deterministic strategies in Lightning's ``St
 
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.backends import configure_determinism, determinism_report
-from lightning_determinism.callbacks import WorkerSeedCallback
+from lightning_determinism.callbacks import RNGStateCheckpoint, WorkerSeedCallback
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.metrics import DistributedPerplexity, perplexity
 from lightning_determinism.seeding import derive_seed, set_seed
@@ -27,6 +27,7 @@ __all__ = [
     "DeterministicFSDPStrategy",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
+    "RNGStateCheckpoint",
     "WorkerSeedCallback",
     "__version__",
     "configure_determinism",

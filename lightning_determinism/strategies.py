@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -143,6 +144,7 @@ class DeterministicStrategyMixin:
     def setup_environment(self) -> None:  # type: ignore[misc]
         super().setup_environment()  # type: ignore[misc]
         _destroy_gloo_group_at_exit()
+        self._add_rng_checkpoint()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
         base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
@@ -169,6 +171,15 @@ class DeterministicStrategyMixin:
             )
         )
 
+    def _add_rng_checkpoint(self) -> None:
+        """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""
+        from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
+
+        module = getattr(self, "lightning_module", None)
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None and not any(isinstance(cb, RNGStateCheckpoint) for cb in trainer.callbacks):
+            trainer.callbacks.append(RNGStateCheckpoint())
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]
         if self._ldet_base_seed is None:
@@ -193,6 +204,10 @@ class DeterministicStrategyMixin:
         if trainer.state.stage in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
             # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
             return unpad_eval_dataloader(dataloader)
+        if trainer.state.stage == RunningStage.TRAINING:
+            # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
+            # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
+            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
         return dataloader
 
 

@@ -64,8 +64,9 @@ class IndexDataset(Dataset):
 class RecordingModule(L.LightningModule):
     """Builds its network in ``configure_model`` and records, per rank, what the strategy tests check."""
 
-    def __init__(self, out_dir: str, n: int = 32, batch_size: int = 4) -> None:
+    def __init__(self, out_dir: str, n: int = 32, batch_size: int = 4, record_draws: bool = True) -> None:
         super().__init__()
+        self.record_draws = record_draws
         self.out_dir = out_dir
         self.n = n
         self.batch_size = batch_size
@@ -79,7 +80,8 @@ class RecordingModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         # The strategy's setup just ended: nothing has drawn from the global streams since.
-        self.record["draws"] = draws()
+        if self.record_draws:  # a resumed run must not draw here: the uninterrupted run did so before epoch 0
+            self.record["draws"] = draws()
         self.record["digest_at_start"] = state_digest(self.net)
         self.record["flags"] = {
             "deterministic": torch.are_deterministic_algorithms_enabled(),

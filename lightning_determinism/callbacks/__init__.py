@@ -1,5 +1,6 @@
 """Lightning callbacks: worker seeding (and, later, RNG-state checkpointing and numerical baselines)."""
 
+from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
 from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
 
-__all__ = ["WorkerSeedCallback"]
+__all__ = ["RNGStateCheckpoint", "WorkerSeedCallback"]

@@ -125,12 +125,16 @@ class WorkerSeedCallback(Callback):
         self._own_generators: weakref.WeakKeyDictionary[DataLoader, torch.Generator] = weakref.WeakKeyDictionary()
         self._warned_types: set[str] = set()
         self._strategy: Any = None
+        self._generators: dict[str, torch.Generator] = {}  # "stage/n" -> loader generator (and "stage/n/sampler")
+        self._pending_states: dict[str, torch.Tensor] = {}
+        self._resume_key: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Spawned ranks receive a pickled copy: weak references and the patched strategy stay behind.
         state = self.__dict__.copy()
         state["_own_generators"] = None
         state["_strategy"] = None
+        state["_generators"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -143,6 +147,7 @@ class WorkerSeedCallback(Callback):
         self.base_seed = self._resolve_base_seed(trainer)
         self._epoch.fill_(trainer.current_epoch)
         self._loaders_per_stage = {}
+        self._generators = {}
         strategy = trainer.strategy
         original = type(strategy).process_dataloader.__get__(strategy)
 
@@ -158,6 +163,26 @@ class WorkerSeedCallback(Callback):
         if self._strategy is not None:
             self._strategy.__dict__.pop("process_dataloader", None)
             self._strategy = None
+
+    def loader_states(self) -> dict[str, torch.Tensor]:
+        """The state of every loader generator this callback created, by ``"stage/n"`` (for checkpoints)."""
+        return {key: gen.get_state() for key, gen in self._generators.items()}
+
+    def load_loader_states(self, states: dict[str, torch.Tensor], resume_key: int | None = None) -> None:
+        """Apply ``states`` to the loader generators as they are created; ``resume_key`` re-derives them instead."""
+        self._pending_states = dict(states)
+        self._resume_key = resume_key
+
+    def _new_generator(self, key: str, *seed_keys: int | str) -> torch.Generator:
+        assert self.base_seed is not None
+        extra = () if self._resume_key is None else ("resume", self._resume_key)
+        generator = torch.Generator()
+        generator.manual_seed(derive_seed(self.base_seed, self._rank, *seed_keys, *extra))
+        pending = self._pending_states.pop(key, None)
+        if pending is not None:
+            generator.set_state(pending)
+        self._generators[key] = generator
+        return generator
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -200,17 +225,16 @@ class WorkerSeedCallback(Callback):
         dataloader.worker_init_fn = _SeedWorker(self.base_seed, self._rank, user_fn)
 
         if dataloader.generator is None or self._own_generators.get(dataloader) is dataloader.generator:
-            generator = torch.Generator()
-            generator.manual_seed(derive_seed(self.base_seed, self._rank, "loader", stage, index))
+            generator = self._new_generator(f"{stage}/{index}", "loader", stage, index)
             dataloader.generator = generator
             self._own_generators[dataloader] = generator
             sampler = dataloader.sampler
             if isinstance(sampler, RandomSampler) and (
                 sampler.generator is None or getattr(sampler, "_ldet_generator", False)
             ):
-                sampler.generator = torch.Generator()
-                sampler.generator.manual_seed(derive_seed(self.base_seed, self._rank, "sampler", stage, index))
+                sampler.generator = self._new_generator(f"{stage}/{index}/sampler", "sampler", stage, index)
                 sampler._ldet_generator = True  # type: ignore[attr-defined]
+        self._epoch.fill_(trainer.current_epoch)  # the epoch resumed from is known by now
 
         if self.per_sample:
             self._install_per_sample(dataloader)

@@ -1,0 +1,211 @@
+"""RNGStateCheckpoint: every rank's RNG state in Lightning checkpoints, restored per rank and verified.
+
+Lightning checkpoints hold no RNG state: a resumed run draws other dropout masks, shuffles and augmentations than
+the run it continues. This callback writes, under the checkpoint key ``"lightning_determinism_rng"``:
+
+- per rank, gathered to the saving rank: :func:`~lightning_determinism.rng.capture_rng_state` (python, numpy,
+  torch CPU, every CUDA device, the tracker, isolated generators) and the
+  :class:`~lightning_determinism.WorkerSeedCallback` loader generators;
+- a sha256 digest of each rank's state, so the restore can check that every rank got its own state back and
+  that the ranks' equal/distinct pattern is the one that was saved.
+
+Only tensors, ints, floats, strings, lists and dicts: the checkpoint loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.rng import capture_rng_state, restore_rng_state
+from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
+
+CHECKPOINT_KEY = "lightning_determinism_rng"
+_FORMAT = 1
+
+
+def _digest(rng: dict[str, Any]) -> str:
+    """sha256 over the python, numpy and torch CPU states (what makes a rank's stream its own)."""
+    h = hashlib.sha256()
+    h.update(rng["python"]["state"].numpy().tobytes())
+    h.update(rng["numpy"]["state"].numpy().tobytes())
+    h.update(rng["torch"].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _pattern(digests: list[str]) -> list[list[int]]:
+    """Groups of ranks holding equal states, e.g. ``[[0], [1]]`` (all distinct) or ``[[0, 1]]`` (all equal)."""
+    groups: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    return sorted(groups.values())
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _worker_callback(trainer: pl.Trainer) -> Any:
+    from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
+
+    return next((cb for cb in trainer.callbacks if isinstance(cb, WorkerSeedCallback)), None)  # type: ignore[attr-defined]
+
+
+def _require(mapping: Any, key: str, where: str) -> Any:
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise ValueError(f"checkpoint key `{where}` is malformed: missing {key!r}")
+    return mapping[key]
+
+
+class RNGStateCheckpoint(Callback):
+    """Save every rank's RNG state in checkpoints and restore it on resume, so a resumed run is bitwise exact.
+
+    The deterministic strategies add one automatically unless the trainer already has one.
+
+    Policies:
+
+    - a checkpoint without RNG state: one :class:`~lightning_determinism.DeterminismWarning`; training goes on
+      with the strategy's seeding;
+    - a checkpoint from another world size: a warning, then every rank reseeds deterministically from
+      ``derive_seed(base, "resume", global_step, rank)`` (never one rank's state copied to all);
+    - missing or malformed entries: ``ValueError`` naming the key.
+
+    After restoring, ranks exchange digests: each must hold the state saved for it, and ranks that held equal
+    (distinct) states must hold equal (distinct) ones again; otherwise ``RuntimeError`` names the ranks.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[RNGStateCheckpoint()], logger=False, enable_progress_bar=False)
+        >>> any(isinstance(cb, RNGStateCheckpoint) for cb in trainer.callbacks)
+        True
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+        self._resuming = False
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        worker_cb = _worker_callback(trainer)
+        rng = capture_rng_state()
+        local = {
+            "rng": rng,
+            "digest": _digest(rng),
+            "loaders": worker_cb.loader_states() if worker_cb is not None else {},
+        }
+        ranks = _all_gather(local)  # every rank takes part; the saving rank writes them all
+        base = current_seeds()["base_seed"]
+        checkpoint[CHECKPOINT_KEY] = {
+            "format": _FORMAT,
+            "world_size": len(ranks),
+            "base_seed": -1 if base is None else int(base),
+            "global_step": int(trainer.global_step),
+            "ranks": ranks,
+        }
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._resuming = True
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            rank_zero_warn(
+                "The checkpoint holds no RNG state (it was written without RNGStateCheckpoint): the resumed run draws"
+                " other random numbers than the run it continues.",
+                category=DeterminismWarning,
+            )
+            self._pending = None
+            return
+        ranks = _require(saved, "ranks", CHECKPOINT_KEY)
+        world_size = _require(saved, "world_size", CHECKPOINT_KEY)
+        if not isinstance(ranks, list) or len(ranks) != world_size:
+            raise ValueError(f"checkpoint key `{CHECKPOINT_KEY}.ranks` is malformed: expected {world_size} entries")
+        for i, entry in enumerate(ranks):
+            rng = _require(entry, "rng", f"{CHECKPOINT_KEY}.ranks[{i}]")
+            for key in ("python", "numpy", "torch"):
+                _require(rng, key, f"{CHECKPOINT_KEY}.ranks[{i}].rng")
+            _require(entry, "digest", f"{CHECKPOINT_KEY}.ranks[{i}]")
+        self._pending = saved
+        worker_cb = _worker_callback(trainer)
+        if worker_cb is None:
+            return
+        if world_size == trainer.world_size:
+            worker_cb.load_loader_states(ranks[trainer.global_rank].get("loaders", {}))
+        else:
+            worker_cb.load_loader_states({}, resume_key=int(saved.get("global_step", 0)))
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the strategy's own seeding in setup(), before the first iterator and step.
+        saved, self._pending = self._pending, None
+        if saved is None:
+            return
+        rank, world_size = trainer.global_rank, trainer.world_size
+        if saved["world_size"] != world_size:
+            base = saved.get("base_seed", -1)
+            base = current_seeds()["base_seed"] if base is None or base < 0 else base
+            step = int(saved.get("global_step", 0))
+            rank_zero_warn(
+                f"The checkpoint was written by {saved['world_size']} ranks and is resumed on {world_size}: each rank"
+                f" reseeds from derive_seed(base={base}, 'resume', global_step={step}, rank); the run stays"
+                " reproducible but is not bitwise the uninterrupted one.",
+                category=DeterminismWarning,
+            )
+            seed_all(derive_seed(int(base or 0), "resume", step, rank))
+            return
+        entry = saved["ranks"][rank]
+        restore_rng_state(entry["rng"])
+        self._verify(saved, rank)
+
+    def _verify(self, saved: dict[str, Any], rank: int) -> None:
+        restored = _digest(capture_rng_state())
+        digests = _all_gather(restored)
+        expected = [entry["digest"] for entry in saved["ranks"]]
+        wrong = [r for r, (got, want) in enumerate(zip(digests, expected, strict=True)) if got != want]
+        if wrong or _pattern(digests) != _pattern(expected):
+            raise RuntimeError(
+                f"[rank: {rank}] RNG states after resume do not match the checkpoint: ranks {wrong} hold another"
+                f" rank's or a foreign state; saved equal-groups {_pattern(expected)}, restored {_pattern(digests)}"
+            )
+
+
+def checkpoint_rng_size(checkpoint: dict[str, Any]) -> int:
+    """Bytes of tensor data the RNG entry adds to a checkpoint (for reports and benchmarks).
+
+    Example:
+        >>> checkpoint_rng_size({})
+        0
+    """
+    total = 0
+
+    def visit(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value)
+
+    visit(checkpoint.get(CHECKPOINT_KEY))
+    return total
+
+
+__all__ = ["CHECKPOINT_KEY", "RNGStateCheckpoint", "checkpoint_rng_size"]
