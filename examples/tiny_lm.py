@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_determinism import DistributedPerplexity, WorkerSeedCallback  # noqa: E402  (registers the strategies)
 
@@ -139,11 +140,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2, help="data-loader workers per process")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="train half the epochs, checkpoint, resume in a new process, and compare with an uninterrupted run",
+    )
+    parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def resume_demo(args: argparse.Namespace) -> None:
+    """Run the uninterrupted training and the interrupted one (each phase a new process); print both fingerprints."""
+    import subprocess
+    import tempfile
+
+    half = max(1, args.epochs // 2)
+    common = [sys.executable, __file__, "--epochs", str(args.epochs), "--seed", str(args.seed)]
+    common += ["--devices", str(args.devices), "--workers", str(args.workers)]
+
+    def fingerprint(extra: list[str]) -> str:
+        out = subprocess.run(common + extra, capture_output=True, text=True, check=True).stdout
+        return [line for line in out.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        straight = fingerprint([])
+        subprocess.run(
+            [*common[:3], str(half), *common[4:], "--ckpt-dir", tmp], capture_output=True, text=True, check=True
+        )
+        resumed = fingerprint(["--resume-from", os.path.join(tmp, "last.ckpt")])
+    print(f"uninterrupted {args.epochs} epochs:           {straight}")
+    print(f"{half} epochs + new process + {args.epochs - half} epochs: {resumed}")
+    print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
+    if args.resume:
+        resume_demo(args)
+        return ""
     # Show the strategy's per-rank seed line (Lightning's own loggers are set up the same way).
     ldet_log = logging.getLogger("lightning_determinism")
     ldet_log.setLevel(logging.INFO)
@@ -158,16 +193,17 @@ def main(argv: list[str] | None = None) -> str:
         devices=args.devices,
         max_epochs=args.epochs,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         # Seeds every (rank, worker, epoch) stream; per_sample: each crop depends on (seed, epoch, index) only,
-        # so the result is the same for any --workers.
-        callbacks=[WorkerSeedCallback(per_sample=True)],
+        # so the result is the same for any --workers. (The strategy adds RNGStateCheckpoint by itself.)
+        callbacks=[WorkerSeedCallback(per_sample=True)]
+        + ([ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)] if args.ckpt_dir else []),
+        enable_checkpointing=bool(args.ckpt_dir),
     )
     L.seed_everything(args.seed, verbose=False)  # the strategy takes this as its base seed
-    model = TinyLM(vocab_size)
+    model = TinyLM(vocab_size)  # built after seed_everything: the same initial weights in every process
     trainer.fit(
         model,
         train_dataloaders=DataLoader(
@@ -175,9 +211,10 @@ def main(argv: list[str] | None = None) -> str:
             batch_size=args.batch_size,
             shuffle=True,
             num_workers=args.workers,
-            persistent_workers=args.workers > 0,
+            persistent_workers=args.workers > 0,  # resumable bitwise thanks to per_sample (see docs)
         ),
         val_dataloaders=DataLoader(val_set, batch_size=args.batch_size),
+        ckpt_path=args.resume_from,
     )
     fingerprint = weights_fingerprint(model)
     if trainer.is_global_zero:

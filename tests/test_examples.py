@@ -61,3 +61,11 @@ def test_model_parallel_example_prints_the_2x2_pattern():
     assert default[0] == default[1] != default[2] == default[3]
     assert tensor_parallel[0] == tensor_parallel[2] != tensor_parallel[1] == tensor_parallel[3]
     assert len(set(noise)) == 4
+
+
+@pytest.mark.distributed
+def test_tiny_lm_resume_demo_is_bitwise():
+    out = _run("--resume", "--epochs", "2")
+    prints = re.findall(r": ([0-9a-f]{64})", out)
+    assert len(prints) == 2 and prints[0] == prints[1]
+    assert "bitwise identical" in out

@@ -234,7 +234,9 @@ class WorkerSeedCallback(Callback):
             ):
                 sampler.generator = self._new_generator(f"{stage}/{index}/sampler", "sampler", stage, index)
                 sampler._ldet_generator = True  # type: ignore[attr-defined]
-        self._epoch.fill_(trainer.current_epoch)  # the epoch resumed from is known by now
+        if stage == "train":
+            # The epoch about to run; on a resumed run `current_epoch` still lags by one until the loop starts.
+            self._epoch.fill_(trainer.fit_loop.epoch_progress.current.processed)
 
         if self.per_sample:
             self._install_per_sample(dataloader)

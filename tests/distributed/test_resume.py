@@ -2,6 +2,7 @@
 DistributedSampler, 2 augmenting workers per rank under WorkerSeedCallback, the deterministic DDP strategy)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +20,18 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 
 
-def phase(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=240)
+def phase(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+    )
 
 
-def ok(*args: str) -> str:
-    result = phase(*args)
+def ok(*args: str, env: dict | None = None) -> str:
+    result = phase(*args, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout + result.stderr
 
@@ -53,6 +60,15 @@ def test_resumed_run_is_bitwise_the_uninterrupted_one(runs):
     straight, resumed = load(runs / "straight" / "last.ckpt"), load(runs / "resumed" / "last.ckpt")
     assert straight["global_step"] == resumed["global_step"] == 20
     assert bitwise_equal(straight, resumed)
+
+
+def test_persistent_workers_with_per_sample_seeding_resume_bitwise(tmp_path):
+    # Live worker processes cannot be checkpointed; with per_sample=True no sample depends on a worker's stream.
+    env = {"PERSIST": "1", "PERSAMPLE": "1"}
+    ok("straight", tmp_path / "straight", env=env)
+    ok("first", tmp_path / "first", env=env)
+    ok("resume", tmp_path / "resumed", tmp_path / "first" / "last.ckpt", env=env)
+    assert bitwise_equal(load(tmp_path / "straight" / "last.ckpt"), load(tmp_path / "resumed" / "last.ckpt"))
 
 
 def test_checkpoint_holds_every_rank_and_loads_weights_only(runs):

@@ -6,6 +6,7 @@ python resume_run.py resume OUT CKPT         # resume from CKPT to 4 epochs
 python resume_run.py first-steps OUT         # stop after 9 steps with a mid-epoch checkpoint at step 5
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -52,7 +53,15 @@ class Net(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
-        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2)
+        persist = bool(os.environ.get("PERSIST"))
+        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=persist)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return DataLoader(Noisy(8), batch_size=4) if os.environ.get("VAL") else []
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -64,7 +73,10 @@ def trainer(out: Path, max_epochs: int, **ckpt) -> L.Trainer:
         accelerator="cpu",
         devices=2,
         max_epochs=max_epochs,
-        callbacks=[WorkerSeedCallback(), ModelCheckpoint(dirpath=out, save_last=True, **ckpt)],
+        callbacks=[
+            WorkerSeedCallback(per_sample=bool(os.environ.get("PERSAMPLE"))),
+            ModelCheckpoint(dirpath=out, save_last=True, **ckpt),
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
