@@ -66,6 +66,6 @@ def test_model_parallel_example_prints_the_2x2_pattern():
 @pytest.mark.distributed
 def test_tiny_lm_resume_demo_is_bitwise():
     out = _run("--resume", "--epochs", "2")
-    prints = re.findall(r": ([0-9a-f]{64})", out)
+    prints = re.findall(r":\s+([0-9a-f]{64})", out)
     assert len(prints) == 2 and prints[0] == prints[1]
     assert "bitwise identical" in out

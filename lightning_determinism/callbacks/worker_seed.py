@@ -236,7 +236,7 @@ class WorkerSeedCallback(Callback):
                 sampler._ldet_generator = True  # type: ignore[attr-defined]
         if stage == "train":
             # The epoch about to run; on a resumed run `current_epoch` still lags by one until the loop starts.
-            self._epoch.fill_(trainer.fit_loop.epoch_progress.current.processed)
+            self._epoch.fill_(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
 
         if self.per_sample:
             self._install_per_sample(dataloader)
