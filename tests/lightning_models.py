@@ -119,20 +119,18 @@ def read_records(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+def quiet_trainer(strategy: Any, devices: int = 2, **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or model summary."""
+    defaults = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, enable_model_summary=False, **{**defaults, **kwargs}
+    )
+
+
 def fit(strategy: Any, out_dir: Path, devices: int = 2, max_epochs: int = 1, **module_kwargs: Any) -> None:
     """A quiet CPU fit of :class:`RecordingModule`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out_dir),
-    )
+    trainer = quiet_trainer(strategy, devices, max_epochs=max_epochs, default_root_dir=str(out_dir))
     trainer.fit(RecordingModule(str(out_dir), **module_kwargs))
 
 
@@ -297,17 +295,7 @@ class StreamModule(L.LightningModule):
 def fit_streams(strategy: Any, out_dir: Path, callbacks: list[Any], devices: int = 2, epochs: int = 2, **kw: Any):
     """Fit :class:`StreamModule` and return every rank's recorded samples."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_epochs=epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices, max_epochs=epochs, callbacks=callbacks)
     trainer.fit(StreamModule(str(out_dir), **kw))
     samples = []
     for rank in range(devices):

@@ -4,7 +4,6 @@ import json
 import math
 from functools import partial
 
-import lightning as L
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -46,17 +45,10 @@ def test_compute_syncs_over_the_default_group(tmp_path):
 
 
 def _validate(strategy, out_dir, devices):
-    from tests.lightning_models import PerplexityModule
+    from tests.lightning_models import PerplexityModule, quiet_trainer
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices)
     trainer.validate(PerplexityModule(str(out_dir), partial(DistributedPerplexity, ignore_index=-100)))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(devices)]
 
