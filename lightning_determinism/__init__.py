@@ -6,8 +6,9 @@ Importing the package registers the deterministic strategies in Lightning's ``St
 
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.backends import configure_determinism, determinism_report
-from lightning_determinism.callbacks import RNGStateCheckpoint, WorkerSeedCallback
+from lightning_determinism.callbacks import NumericalBaseline, RNGStateCheckpoint, WorkerSeedCallback
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.fingerprint import fingerprint
 from lightning_determinism.metrics import DistributedPerplexity, perplexity
 from lightning_determinism.seeding import derive_seed, set_seed
 from lightning_determinism.strategies import (
@@ -27,12 +28,14 @@ __all__ = [
     "DeterministicFSDPStrategy",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
+    "NumericalBaseline",
     "RNGStateCheckpoint",
     "WorkerSeedCallback",
     "__version__",
     "configure_determinism",
     "derive_seed",
     "determinism_report",
+    "fingerprint",
     "perplexity",
     "set_seed",
 ]

@@ -69,3 +69,12 @@ def test_tiny_lm_resume_demo_is_bitwise():
     prints = re.findall(r":\s+([0-9a-f]{64})", out)
     assert len(prints) == 2 and prints[0] == prints[1]
     assert "bitwise identical" in out
+
+
+@pytest.mark.distributed
+def test_compare_single_vs_ddp_example_passes():
+    script = EXAMPLE.parent / "compare_single_vs_ddp.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "2-rank DDP run matches the 1-process baseline" in result.stdout
+    assert "equal within rtol=0.0001, atol=1e-06" in result.stdout
