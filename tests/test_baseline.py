@@ -13,6 +13,7 @@ from lightning_determinism import DeterminismWarning, DeterministicSingleDeviceS
 from lightning_determinism.callbacks.baseline import BaselineMismatch
 from lightning_determinism.cli import main as cli
 from tests.helpers import requires_cuda
+from tests.lightning_models import quiet_trainer
 
 
 class Small(L.LightningModule):
@@ -48,17 +49,7 @@ class ScaleGrad(L.Callback):
 
 
 def run(callbacks, steps=5):
-    trainer = L.Trainer(
-        strategy=DeterministicSingleDeviceStrategy(seed=2),
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=2), 1, max_steps=steps, callbacks=callbacks)
     trainer.fit(Small())
 
 
