@@ -23,11 +23,11 @@ register_strategies()
 
 __all__ = [
     "DeterminismWarning",
-    "DistributedPerplexity",
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
+    "DistributedPerplexity",
     "NumericalBaseline",
     "RNGStateCheckpoint",
     "WorkerSeedCallback",
