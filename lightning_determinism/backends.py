@@ -66,7 +66,8 @@ def _set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-def _set_cublas_workspace() -> None:
+def set_cublas_workspace() -> None:
+    """Set ``CUBLAS_WORKSPACE_CONFIG=":4096:8"`` unless it holds a deterministic value; warn if CUDA is up."""
     current = os.environ.get(_CUBLAS_ENV)
     if current in _CUBLAS_DETERMINISTIC:
         return  # the user's own deterministic choice (":16:8" saves memory) is kept
@@ -112,7 +113,7 @@ def configure_determinism(debug_mode: DebugMode) -> int | None:
         torch.backends.cudnn.deterministic = False
         torch.backends.cudnn.benchmark = True
         return mode
-    _set_cublas_workspace()
+    set_cublas_workspace()
     torch.use_deterministic_algorithms(True, warn_only=mode == 1)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -180,4 +181,11 @@ def determinism_report() -> dict[str, Any]:
     }
 
 
-__all__ = ["DebugMode", "configure_determinism", "debug_mode_name", "determinism_report", "normalize_debug_mode"]
+__all__ = [
+    "DebugMode",
+    "configure_determinism",
+    "debug_mode_name",
+    "determinism_report",
+    "normalize_debug_mode",
+    "set_cublas_workspace",
+]

@@ -30,7 +30,12 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
-from lightning_determinism.backends import configure_determinism, debug_mode_name, normalize_debug_mode
+from lightning_determinism.backends import (
+    configure_determinism,
+    debug_mode_name,
+    normalize_debug_mode,
+    set_cublas_workspace,
+)
 from lightning_determinism.samplers import unpad_eval_dataloader
 from lightning_determinism.seeding import _record_seeds, check_seed, resolve_base_seed, seed_all
 from lightning_determinism.topology import Topology, model_parallel_seed, stream_seeds
@@ -105,6 +110,10 @@ class DeterministicStrategyMixin:
     ) -> None:
         self._ldet_seed = None if seed is None else check_seed(seed)
         self._ldet_debug_mode = normalize_debug_mode(debug_mode)
+        if self._ldet_debug_mode in (1, 2):
+            # cuBLAS reads this when its first handle is created; Lightning initialises CUDA before
+            # setup_environment, so set it now (child processes inherit it) rather than warn there.
+            set_cublas_workspace()
         if topology is not None and not isinstance(topology, (Topology, dict)):
             raise TypeError(f"`topology` must be a Topology, a dict of degrees or None, got {type(topology).__name__}")
         if isinstance(topology, dict):

@@ -1,4 +1,5 @@
 import importlib
+import os
 
 import lightning as L
 import pytest
@@ -125,3 +126,15 @@ def test_fsdp_on_gpu_seeds_and_flags(tmp_path):
     assert (record["base_seed"], record["local_seed"]) == (21, 21)
     assert record["flags"]["deterministic"] is True
     assert n >= 1
+
+
+def test_cublas_workspace_is_set_when_the_strategy_is_built(monkeypatch):
+    # Lightning initialises CUDA before setup_environment; the variable must already be there by then.
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    DeterministicDDPStrategy(debug_mode=None)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    DeterministicDDPStrategy(debug_mode="warn")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    DeterministicDDPStrategy(debug_mode="error")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
