@@ -8,7 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-_ENV_KEYS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "LDET_BASE_SEED", "LDET_LOCAL_SEED")
+from tests.helpers import free_port
+
+_ENV_KEYS = (
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "LDET_BASE_SEED",
+    "LDET_LOCAL_SEED",
+    "MASTER_PORT",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +34,9 @@ def _restore_global_state():
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads = torch.get_num_threads()
+    # Lightning's launcher writes the port it picked into os.environ, where every later fit (and every child
+    # process) would reuse it for the rest of the session; one process still holding it then fails them all.
+    os.environ["MASTER_PORT"] = str(free_port())
     yield
     for key, value in env.items():
         if value is None:

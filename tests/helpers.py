@@ -83,6 +83,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` for a child process, with a port of its own for Lightning's rendezvous and ``extra`` on top."""
+    return {**os.environ, "MASTER_PORT": str(free_port()), **extra}
+
+
 def env_without(*keys: str) -> dict[str, str]:
     """A copy of ``os.environ`` without ``keys``."""
     return {key: value for key, value in os.environ.items() if key not in keys}

@@ -8,12 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
 
 
 def _run(*args: str) -> str:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=240, cwd=EXAMPLE.parent
+        [sys.executable, str(EXAMPLE), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=EXAMPLE.parent,
+        env=child_env(),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -49,7 +56,7 @@ def test_tiny_lm_seed_changes_the_fingerprint():
 @pytest.mark.distributed
 def test_model_parallel_example_prints_the_2x2_pattern():
     script = EXAMPLE.parent / "model_parallel_seeding.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(
         r"rank (\d): dp (\d) mp (\d) \| default (\w+) .*model-parallel-rng (\w+) .*'noise'\) (\w+)", result.stdout
@@ -74,7 +81,7 @@ def test_tiny_lm_resume_demo_is_bitwise():
 @pytest.mark.distributed
 def test_compare_single_vs_ddp_example_passes():
     script = EXAMPLE.parent / "compare_single_vs_ddp.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=child_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "2-rank DDP run matches the 1-process baseline" in result.stdout
     assert "equal within rtol=0.0001, atol=1e-06" in result.stdout

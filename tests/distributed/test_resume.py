@@ -2,7 +2,6 @@
 DistributedSampler, 2 augmenting workers per rank under WorkerSeedCallback, the deterministic DDP strategy)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from lightning_determinism import DeterministicDDPStrategy
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY, RNGStateCheckpoint, _digest
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
-from tests.helpers import run_distributed
+from tests.helpers import child_env, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +25,7 @@ def phase(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, **(env or {})},
+        env=child_env(**(env or {})),
     )
 
 
