@@ -53,6 +53,23 @@ def test_float64_logits_are_exact_to_rounding_on_many_tokens():
     assert math.isclose(perplexity(preds, target).item(), reference(preds, target), rel_tol=1e-12)
 
 
+def test_peaked_lm_like_logits_keep_their_tiny_terms():
+    # A trained LM's rows: a few large logits and tens of thousands of tiny exp() terms. Summed in float32 those
+    # tiny terms are dropped one by one (a -1.2e-8 relative bias here, measured); accumulated in float64 they stay.
+    gen = torch.Generator().manual_seed(5)
+    preds = torch.randn(512, 32_000, generator=gen) * 6.0
+    probs = torch.softmax(preds.double(), dim=-1)
+    target = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # low NLL, as for a trained model
+    nll = F.cross_entropy(preds.double(), target, reduction="none")
+    expected = math.fsum(nll.tolist())
+    stats = DistributedPerplexity()
+    stats.update(preds, target)
+    assert abs(stats.nll_sum.item() - expected) / expected <= 1e-9
+    shifted = preds - preds.amax(dim=-1, keepdim=True)
+    float32_sums = shifted.exp().sum(dim=-1).double().log() - shifted.gather(-1, target[:, None]).squeeze(-1).double()
+    assert abs(math.fsum(float32_sums.tolist()) - expected) / expected > 3e-9  # the test can tell the difference
+
+
 def test_large_logit_gap_stays_finite_where_softmax_log_gives_inf():
     preds = torch.zeros(4, 10)
     preds[:, 0] = 150.0  # the target (class 1) sits 150 nats below the max: softmax underflows to 0

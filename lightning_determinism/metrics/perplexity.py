@@ -2,8 +2,8 @@
 
 The per-token negative log-likelihood is computed chunk by chunk as ``(max - x_target) + log(sum(exp(x - max)))``:
 the difference of logits is taken in float64, the exponentials in float32 (at least) inside a chunk that fits in
-cache, and the per-token values are summed in float64. Nothing of size ``N x V`` is ever allocated, and the result
-stays finite where ``softmax().log()`` underflows to ``inf``.
+cache; each row's exponentials, and then the per-token values, are summed in float64. Nothing of size ``N x V`` is
+ever allocated, and the result stays finite where ``softmax().log()`` underflows to ``inf``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torchmetrics.utilities.plot import _AX_TYPE, _PLOT_OUT_TYPE
 
 from lightning_determinism.errors import DeterminismWarning
 
-_CHUNK_BYTES_CPU = 4 * 2**20  # a chunk of float32 rows that stays in a CPU's L2/L3 cache
+_CHUNK_BYTES_CPU = 2 * 2**20  # a chunk of float32 rows that stays in a CPU's L2/L3 cache (fastest measured)
 _CHUNK_BYTES_CUDA = 256 * 2**20  # on a GPU, fewer and larger kernels win
 _EXP_FLOOR = -87.0  # exp() below this is subnormal: ~35x slower on CPUs, and < 2e-38 of the row's sum
 
@@ -61,31 +61,32 @@ def _chunk_rows(vocab_size: int, device: torch.device, chunk_size: int | None) -
 def _token_nll(logits: Tensor, ids: Tensor, chunk_size: int | None = None) -> Tensor:
     """Per-token NLL (float64) of valid ``ids`` ``[N]`` under ``logits`` ``[N, V]``, one cache-sized chunk at a time.
 
-    ``nll = (max - x_target) + log(sum(exp(x - max)))``: the first term is exact in float64; the exponentials
-    (float32 at least) and their row sum stay inside one chunk. ``exp`` is used on purpose: ``exp2`` and the fused
-    softmax kernels are 1.5-2.5x faster on CPUs but carry a bias of 1e-9 to 3e-8 per token, which a sum over
-    billions of tokens would keep.
+    ``nll = (max - x_target) + log(sum(exp(x - max)))``: the first term is exact in float64; the exponentials are
+    float32 (at least) and each row's sum of them is accumulated in float64. Both choices are measured, not taken
+    on faith (``benchmarks/perplexity.py``): a float32 row sum drops the many tiny terms of a peaked distribution
+    (a bias of -1e-8 relative per token on logits like a trained LM's), and ``exp2``/the fused softmax kernels,
+    though 1.5-3x faster on CPUs, carry a bias of 1e-9 to 1e-6 per token, which a sum over billions of tokens keeps.
     """
     vocab = logits.shape[-1]
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
     rows = _chunk_rows(vocab, logits.device, chunk_size)
     n = logits.shape[0]
     shifted = torch.empty((min(rows, n), vocab), dtype=work_dtype, device=logits.device)
-    nll = torch.empty(n, dtype=torch.float64, device=logits.device)
+    row_max = torch.empty((n, 1), dtype=logits.dtype, device=logits.device)
+    row_sum = torch.empty(n, dtype=torch.float64, device=logits.device)
     for start in range(0, n, rows):
         chunk = logits[start : start + rows]
         k = chunk.shape[0]
         y = shifted[:k]
-        row_max = chunk.amax(dim=-1, keepdim=True)
-        picked = chunk.gather(-1, ids[start : start + k, None])
-        delta = row_max.squeeze(-1).double() - picked.squeeze(-1).double()
+        top = torch.amax(chunk, dim=-1, keepdim=True, out=row_max[start : start + k])
         if chunk.dtype == work_dtype:
-            torch.sub(chunk, row_max, out=y)
+            torch.sub(chunk, top, out=y)
         else:  # fp16/bf16: upcast first, so the difference is taken in float32
-            y.copy_(chunk).sub_(row_max)
+            y.copy_(chunk).sub_(top)
         y.clamp_(min=_EXP_FLOOR).exp_()
-        nll[start : start + k] = delta + y.sum(dim=-1).double().log()
-    return nll
+        torch.sum(y, dim=-1, dtype=torch.float64, out=row_sum[start : start + k])
+    picked = logits.gather(-1, ids[:, None])
+    return (row_max.double() - picked.double()).squeeze(-1) + row_sum.log()
 
 
 def _perplexity_update(
@@ -97,7 +98,7 @@ def _perplexity_update(
         preds: logits ``[B, T, V]`` or ``[N, V]``, any float dtype (half types are upcast per chunk).
         target: token ids ``[B, T]`` or ``[N]``.
         ignore_index: a target value that is not counted.
-        chunk_size: rows per chunk; ``None`` picks about 4 MiB of float32 per chunk (256 MiB on CUDA).
+        chunk_size: rows per chunk; ``None`` picks about 2 MiB of float32 per chunk (256 MiB on CUDA).
 
     Raises:
         TypeError: ``preds`` not floating point, ``target`` not integer.
@@ -147,7 +148,7 @@ def perplexity(preds: Tensor, target: Tensor, ignore_index: int | None = None, c
         preds: logits ``[B, T, V]`` or ``[N, V]`` in any float dtype.
         target: token ids ``[B, T]`` or ``[N]``.
         ignore_index: a target value that is not counted (e.g. ``-100`` for padding).
-        chunk_size: rows per chunk; ``None`` chooses by memory (about 4 MiB of float32 on CPU).
+        chunk_size: rows per chunk; ``None`` chooses by memory (about 2 MiB of float32 on CPU).
 
     Returns:
         ``exp(mean NLL)``; NaN with a warning when no token is counted.
