@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 30.0
+# A child Python process (an example, a resume phase, a torchrun node): ~25 s at most here; CI machines can be slower.
+CHILD_TIMEOUT_S = 600
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

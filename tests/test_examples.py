@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import CHILD_TIMEOUT_S, child_env
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
 
@@ -18,7 +18,7 @@ def _run(*args: str) -> str:
         [sys.executable, str(EXAMPLE), *args],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=CHILD_TIMEOUT_S,
         cwd=EXAMPLE.parent,
         env=child_env(),
     )
@@ -56,7 +56,9 @@ def test_tiny_lm_seed_changes_the_fingerprint():
 @pytest.mark.distributed
 def test_model_parallel_example_prints_the_2x2_pattern():
     script = EXAMPLE.parent / "model_parallel_seeding.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=child_env())
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=child_env()
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(
         r"rank (\d): dp (\d) mp (\d) \| default (\w+) .*model-parallel-rng (\w+) .*'noise'\) (\w+)", result.stdout
@@ -81,7 +83,9 @@ def test_tiny_lm_resume_demo_is_bitwise():
 @pytest.mark.distributed
 def test_compare_single_vs_ddp_example_passes():
     script = EXAMPLE.parent / "compare_single_vs_ddp.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=child_env())
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=child_env()
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "2-rank DDP run matches the 1-process baseline" in result.stdout
     assert "equal within rtol=0.0001, atol=1e-06" in result.stdout

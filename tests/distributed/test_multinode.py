@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import CHILD_TIMEOUT_S, free_port
 from tests.lightning_models import read_records, reference_draws
 
 pytestmark = pytest.mark.distributed
@@ -42,7 +42,7 @@ def test_two_nodes_with_torchrun(tmp_path):
     outputs = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=120)
+            out, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
             outputs.append(out)
     finally:
         for proc in procs:

@@ -12,7 +12,7 @@ import torch
 from lightning_determinism import DeterministicDDPStrategy
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY, RNGStateCheckpoint, _digest
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
-from tests.helpers import child_env, run_distributed
+from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -24,7 +24,7 @@ def phase(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         [sys.executable, str(SCRIPT), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=CHILD_TIMEOUT_S,
         env=child_env(**(env or {})),
     )
 
