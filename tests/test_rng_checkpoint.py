@@ -1,27 +1,23 @@
 """RNGStateCheckpoint policies in one process: missing state, another world size, malformed entries."""
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_determinism import DeterminismWarning, DeterministicSingleDeviceStrategy, RNGStateCheckpoint
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY, checkpoint_rng_size
-from tests.lightning_models import RecordingModule, read_records
+from tests.lightning_models import RecordingModule, quiet_trainer, read_records
 
 
 def _fit(tmp_path, name, epochs, ckpt_path=None):
     out = tmp_path / name
     out.mkdir(parents=True, exist_ok=True)
-    trainer = L.Trainer(
-        strategy=DeterministicSingleDeviceStrategy(seed=3),
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        DeterministicSingleDeviceStrategy(seed=3),
         devices=1,
         max_epochs=epochs,
         callbacks=[ModelCheckpoint(dirpath=out, save_last=True)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
     )
     trainer.fit(RecordingModule(str(out), record_draws=False), ckpt_path=ckpt_path)
     return out
