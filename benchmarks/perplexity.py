@@ -7,9 +7,14 @@
        summed with ``math.fsum``; target <= 1e-9 relative).
    Then the same two figures on LM-like logits: V=32,000, peaked (standard deviation 6) with each target drawn from
    the model's own distribution, so the NLL is low as for a trained model and each row's sum of exponentials is
-   dominated by a few terms (where a float32 row sum drops the many tiny ones; shown beside, as an ablation).
-2. Update throughput at V=32,000, 4,096 tokens per update, float32 logits (target >= 3x torchmetrics).
-3. Peak extra memory of one update at V=32,000, 8,192 tokens: the process's peak RSS during the update minus its
+   dominated by a few terms (where a float32 row sum drops the many tiny ones; shown beside, as an ablation), for
+   the compiled kernel and the eager path.
+2. Update throughput at V=32,000, 4,096 tokens per update, float32 logits (target >= 4x torchmetrics on an idle
+   machine, >= 2x with a competing CPU-bound process); the compile time and the first update's cost in a fresh
+   process, with Inductor's on-disk cache cold and warm.
+3. Invariance: the perplexity over a 997-sample set at batch sizes 1, 7 and 32 (bitwise equal?) and the cost of the
+   exact accumulation per update.
+4. Peak extra memory of one update at V=32,000, 8,192 tokens: the process's peak RSS during the update minus its
    RSS just before (Linux: VmHWM reset through /proc/self/clear_refs) (target <= 0.1x torchmetrics).
 
     python benchmarks/perplexity.py [--tokens 26213200] [--lm-tokens 131072] [--skip-accuracy]
@@ -24,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,13 +37,20 @@ import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
 from lightning_determinism import DistributedPerplexity
-from lightning_determinism.metrics.perplexity import _token_nll
+from lightning_determinism.exact import exact_sum
+from lightning_determinism.metrics._nll import token_nll
 
 
 def _batch(gen: torch.Generator, tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     logits = torch.randn(1, tokens, vocab, generator=gen) * 2.0
     target = torch.randint(vocab, (1, tokens), generator=gen)
     return logits, target
+
+
+def _table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = ("ours", "torchmetrics")) -> None:
+    print(f"   {'':72s}" + "".join(f"{c:>16s}" for c in columns))
+    for label, *cells in rows:
+        print(f"   {label:72s}" + "".join(f"{c:>16s}" for c in cells))
 
 
 def accuracy(total_tokens: int, vocab: int = 16, per_update: int = 65_537) -> None:
@@ -54,7 +67,7 @@ def accuracy(total_tokens: int, vocab: int = 16, per_update: int = 65_537) -> No
         theirs.update(logits, target)
         flat, ids = logits.reshape(-1, vocab), target.reshape(-1)
         ref_terms.append(math.fsum(F.cross_entropy(flat.double(), ids, reduction="none").tolist()))
-        our_terms.append(math.fsum(_token_nll(flat, ids).tolist()))
+        our_terms.append(math.fsum(token_nll(flat, ids).tolist()))  # V=16: the eager path, as the metric's
         probs = torch.softmax(flat, dim=-1)[torch.arange(n), ids]  # torchmetrics' own per-token path
         their_terms.append(math.fsum((-probs.log()).double().tolist()))
         done += n
@@ -86,7 +99,7 @@ def _float32_row_sum_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
 
 def lm_like_accuracy(total_tokens: int, vocab: int = 32_000, per_update: int = 4_096, scale: float = 6.0) -> None:
     gen = torch.Generator().manual_seed(2)
-    ours, theirs = DistributedPerplexity(), Perplexity()
+    compiled, eager, theirs = DistributedPerplexity(compile=True), DistributedPerplexity(compile=False), Perplexity()
     ref_terms: list[float] = []
     our_terms: list[float] = []
     f32_terms: list[float] = []
@@ -98,55 +111,138 @@ def lm_like_accuracy(total_tokens: int, vocab: int = 32_000, per_update: int = 4
         cdf = reference.exp().cumsum_(dim=-1)  # inverse-CDF sampling: torch.multinomial is ~50x slower here
         u = torch.rand(n, 1, dtype=torch.float64, generator=gen) * cdf[:, -1:]
         target = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=vocab - 1)
-        ours.update(logits, target)
+        compiled.update(logits, target)
+        eager.update(logits, target)
         theirs.update(logits[None], target[None])
         ref_terms.append(-math.fsum(reference.gather(-1, target[:, None]).squeeze(-1).tolist()))
-        our_terms.append(math.fsum(_token_nll(logits, target).tolist()))
+        our_terms.append(math.fsum(token_nll(logits, target, compiled=True).tolist()))
         f32_terms.append(math.fsum(_float32_row_sum_nll(logits, target).tolist()))
         done += n
-    ref_sum = math.fsum(ref_terms)
-    ref_ppl = math.exp(ref_sum / total_tokens)
+    ref_ppl = math.exp(math.fsum(ref_terms) / total_tokens)
     f32_ppl = math.exp(math.fsum(f32_terms) / total_tokens)
+
+    def rel(value: float) -> str:
+        return f"{abs(value - ref_ppl) / ref_ppl:.2e}"
+
     rows = [
         (
             "(a) accumulated sum vs fsum of own per-token NLL, rel. error (<= 1e-12)",
-            f"{abs(float(ours.nll_sum) - math.fsum(our_terms)) / math.fsum(our_terms):.2e}",
+            f"{abs(float(compiled.nll_sum) - math.fsum(our_terms)) / math.fsum(our_terms):.2e}",
+            "",
             "",
         ),
         (
             "(b) perplexity vs float64 reference, rel. error (<= 1e-9)",
-            f"{abs(float(ours.compute()) - ref_ppl) / ref_ppl:.2e}",
-            f"{abs(float(theirs.compute()) - ref_ppl) / ref_ppl:.2e}",
+            rel(float(compiled.compute())),
+            rel(float(eager.compute())),
+            rel(float(theirs.compute())),
         ),
-        ("    ablation: the same with float32 row sums, rel. error", f"{abs(f32_ppl - ref_ppl) / ref_ppl:.2e}", ""),
+        ("    ablation: the same with float32 row sums, rel. error", rel(f32_ppl), "", ""),
     ]
     print(
         f"\n1b. LM-like logits (std {scale:g}, targets drawn from the model), {total_tokens:,} tokens, V={vocab:,};"
         f" reference perplexity {ref_ppl:.12f}"
     )
-    _table(rows)
+    _table(rows, ("ours compiled", "ours eager", "torchmetrics"))
+
+
+def _medians(metrics: dict[str, object], logits: torch.Tensor, target: torch.Tensor, repeats: int) -> dict[str, float]:
+    for metric in metrics.values():
+        metric.update(logits, target)  # warm-up (and compile)
+    times: dict[str, list[float]] = {name: [] for name in metrics}
+    for _ in range(repeats):  # interleaved, so drift in machine load hits all alike
+        for name, metric in metrics.items():
+            start = time.perf_counter()
+            metric.update(logits, target)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+_FIRST_UPDATE_CHILD = """
+import json, sys, time, torch
+from lightning_determinism import DistributedPerplexity
+gen = torch.Generator().manual_seed(1)
+logits, target = torch.randn(1, 4096, 32000, generator=gen), torch.randint(32000, (1, 4096), generator=gen)
+metric = DistributedPerplexity(compile=True)
+start = time.perf_counter(); metric.update(logits, target); first = time.perf_counter() - start
+start = time.perf_counter(); metric.update(logits[:, :1000], target[:, :1000]); other = time.perf_counter() - start
+print(json.dumps({"first": first, "other_length": other}))
+"""
+
+
+def _first_update(cache_dir: str | None) -> dict[str, float]:
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    out = subprocess.run([sys.executable, "-c", _FIRST_UPDATE_CHILD], capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def throughput(vocab: int = 32_000, tokens: int = 4_096, repeats: int = 15) -> None:
     gen = torch.Generator().manual_seed(1)
     logits, target = _batch(gen, tokens, vocab)
-    ours, theirs = DistributedPerplexity(), Perplexity()
-    for metric in (ours, theirs):
-        metric.update(logits, target)  # warm-up
-    times: dict[str, list[float]] = {"ours": [], "torchmetrics": []}
-    for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
-        for name, metric in (("ours", ours), ("torchmetrics", theirs)):
-            start = time.perf_counter()
-            metric.update(logits, target)
-            times[name].append(time.perf_counter() - start)
-    ours_s, theirs_s = statistics.median(times["ours"]), statistics.median(times["torchmetrics"])
+    metrics = {
+        "compiled": DistributedPerplexity(compile=True),
+        "eager": DistributedPerplexity(compile=False),
+        "torchmetrics": Perplexity(),
+    }
+    idle = _medians(metrics, logits, target, repeats)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a competing CPU-bound process
+    try:
+        time.sleep(0.5)
+        busy = _medians(metrics, logits, target, repeats)
+    finally:
+        hog.kill()
+        hog.wait()
+    with tempfile.TemporaryDirectory() as cold_dir:
+        cold = _first_update(cold_dir)
+    warm = _first_update(None)
     print(f"\n2. update throughput, V={vocab:,}, {tokens:,} tokens/update, float32, {torch.get_num_threads()} threads")
+    rows = []
+    for label, figures in (("idle machine", idle), ("one competing CPU-bound process", busy)):
+        tm = figures["torchmetrics"]
+        rows.append((f"{label}: median seconds per update", *(f"{figures[k]:.4f}" for k in metrics)))
+        target_note = ">= 4x" if label == "idle machine" else ">= 2x"
+        rows.append(
+            (f"{label}: speed-up over torchmetrics ({target_note})", *(f"{tm / figures[k]:.2f}x" for k in metrics))
+        )
+    rows.append(("first update in a fresh process, Inductor cache cold (compiles)", f"{cold['first']:.1f} s", "", ""))
+    rows.append(("first update in a fresh process, Inductor cache warm", f"{warm['first']:.1f} s", "", ""))
+    rows.append(("then a new sequence length (1,000 tokens): no recompile", f"{warm['other_length']:.3f} s", "", ""))
+    _table(rows, tuple(metrics))
+
+
+def invariance(repeats: int = 20) -> None:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(257, (997, 7), generator=gen)
+    table = torch.randn(257, 257, generator=gen) * 3
+    values = []
+    for batch_size in (1, 7, 32):
+        metric = DistributedPerplexity(compile=True)
+        for start in range(0, 997, batch_size):
+            batch = ids[start : start + batch_size]
+            metric.update(table[batch[:, :-1]], batch[:, 1:])
+        values.append(metric.compute())
+    same = all(torch.equal(values[0], v) for v in values[1:])
+    nll = torch.rand(4096, dtype=torch.float64, generator=gen) * 10  # the cost does not depend on the values
+    exact_s, float_s = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        exact_sum(nll)
+        exact_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        nll.sum()
+        float_s.append(time.perf_counter() - start)
+    print("\n3. invariance: 997 samples, V=257, batch sizes 1, 7, 32")
     _table(
         [
-            ("median seconds per update", f"{ours_s:.4f}", f"{theirs_s:.4f}"),
-            ("tokens per second", f"{tokens / ours_s:,.0f}", f"{tokens / theirs_s:,.0f}"),
-            ("speed-up over torchmetrics (>= 3x)", f"{theirs_s / ours_s:.2f}x", "1.00x"),
-        ]
+            ("perplexity bitwise identical across batch sizes", "yes" if same else "NO"),
+            ("exact accumulation of 4,096 token NLLs, ms", f"{statistics.median(exact_s) * 1e3:.3f}"),
+            ("a plain float64 sum of the same, ms", f"{statistics.median(float_s) * 1e3:.3f}"),
+        ],
+        ("ours",),
     )
 
 
@@ -164,8 +260,11 @@ vocab, tokens, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 gen = torch.Generator().manual_seed(2)
 logits = torch.randn(1, tokens, vocab, generator=gen)
 target = torch.randint(vocab, (1, tokens), generator=gen)
-metric = DistributedPerplexity() if which == "ours" else Perplexity()
-metric.update(logits[:, :8], target[:, :8])  # first-call allocations are not the update's
+if which == "torchmetrics":
+    metric = Perplexity()
+else:
+    metric = DistributedPerplexity(compile=which == "compiled")
+metric.update(logits[:, :8], target[:, :8])  # first-call allocations (and the compile) are not the update's
 before = status_kib("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset the high-water mark VmHWM to the current RSS
@@ -176,7 +275,7 @@ print(json.dumps({"extra_kib": status_kib("VmHWM") - before}))
 
 def memory(vocab: int = 32_000, tokens: int = 8_192) -> None:
     extra = {}
-    for which in ("ours", "torchmetrics"):
+    for which in ("compiled", "eager", "torchmetrics"):
         # A fixed mmap threshold: every large allocation is a fresh mapping, so the peak RSS sees it (with glibc's
         # sliding threshold, freed heap from earlier work would be reused unseen).
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -188,20 +287,16 @@ def memory(vocab: int = 32_000, tokens: int = 8_192) -> None:
             env=env,
         )
         extra[which] = json.loads(out.stdout.strip().splitlines()[-1])["extra_kib"] / 1024
-    print(f"\n3. peak extra memory of one update, V={vocab:,}, {tokens:,} tokens (input itself: "
+    print(f"\n4. peak extra memory of one update, V={vocab:,}, {tokens:,} tokens (input itself: "
           f"{vocab * tokens * 4 / 2**20:,.0f} MiB)")  # fmt: skip
+    tm = max(extra["torchmetrics"], 1e-9)
     _table(
         [
-            ("peak RSS during update minus RSS before, MiB", f"{extra['ours']:.1f}", f"{extra['torchmetrics']:.1f}"),
-            ("ratio to torchmetrics (<= 0.1)", f"{extra['ours'] / max(extra['torchmetrics'], 1e-9):.3f}", "1.000"),
-        ]
+            ("peak RSS during update minus RSS before, MiB", *(f"{extra[k]:.1f}" for k in extra)),
+            ("ratio to torchmetrics (<= 0.1)", *(f"{extra[k] / tm:.3f}" for k in extra)),
+        ],
+        tuple(extra),
     )
-
-
-def _table(rows: list[tuple[str, str, str]]) -> None:
-    print(f"   {'':74s}{'ours':>14s}{'torchmetrics':>14s}")
-    for label, a, b in rows:
-        print(f"   {label:74s}{a:>14s}{b:>14s}")
 
 
 def main() -> None:
@@ -214,6 +309,7 @@ def main() -> None:
         accuracy(args.tokens)
         lm_like_accuracy(args.lm_tokens)
     throughput()
+    invariance()
     memory()
 
 

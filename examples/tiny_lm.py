@@ -28,7 +28,11 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from lightning_determinism import DistributedPerplexity, WorkerSeedCallback  # noqa: E402  (registers the strategies)
+from lightning_determinism import (  # noqa: E402  (importing registers the strategies)
+    DistributedMean,
+    DistributedPerplexity,
+    WorkerSeedCallback,
+)
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the old sailor", "a small bird", "the teacher", "our neighbour"]
 VERBS = ["sees", "likes", "follows", "draws", "finds", "remembers", "carries"]
@@ -77,8 +81,9 @@ class TinyLM(L.LightningModule):
         self.drop = nn.Dropout(dropout)
         self.rnn = nn.GRU(dim, hidden, batch_first=True)
         self.head = nn.Linear(hidden, vocab_size)
-        # float64 NLL sum and int64 token count, summed over ranks; each validation window counted once.
+        # Exact sums and int64 token counts over all ranks; each validation window counted once.
         self.val_ppl = DistributedPerplexity()
+        self.val_loss = DistributedMean()  # the true per-token mean, not Lightning's mean of per-rank means
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(self.drop(self.embed(input_ids)))
@@ -95,8 +100,9 @@ class TinyLM(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch["input_ids"])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
-        self.log("val/loss", loss, on_epoch=True, sync_dist=True)
+        per_token = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        self.val_loss.update(per_token)
+        self.log("val/loss", self.val_loss, on_epoch=True)
         self.val_ppl.update(logits, batch["labels"])
         self.log("val/ppl", self.val_ppl, on_epoch=True)
 

@@ -9,7 +9,7 @@ from lightning_determinism.backends import configure_determinism, determinism_re
 from lightning_determinism.callbacks import NumericalBaseline, RNGStateCheckpoint, WorkerSeedCallback
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.fingerprint import fingerprint
-from lightning_determinism.metrics import DistributedPerplexity, perplexity
+from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
 from lightning_determinism.seeding import derive_seed, set_seed
 from lightning_determinism.strategies import (
     DeterministicDDPStrategy,
@@ -27,6 +27,7 @@ __all__ = [
     "DeterministicFSDPStrategy",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
+    "DistributedMean",
     "DistributedPerplexity",
     "NumericalBaseline",
     "RNGStateCheckpoint",

@@ -37,10 +37,20 @@ from lightning_determinism.backends import (
     set_cublas_workspace,
 )
 from lightning_determinism.samplers import unpad_eval_dataloader
-from lightning_determinism.seeding import _record_seeds, check_seed, resolve_base_seed, seed_all
+from lightning_determinism.seeding import (
+    BASE_SEED_ENV,
+    LOCAL_SEED_ENV,
+    _record_seeds,
+    check_seed,
+    resolve_base_seed,
+    seed_all,
+)
 from lightning_determinism.topology import Topology, model_parallel_seed, stream_seeds
 
 log = logging.getLogger(__name__)
+
+_CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+_SEED_ENV = ("PL_GLOBAL_SEED", BASE_SEED_ENV, LOCAL_SEED_ENV)
 
 
 _EXIT_HOOK_REGISTERED = False
@@ -110,6 +120,8 @@ class DeterministicStrategyMixin:
     ) -> None:
         self._ldet_seed = None if seed is None else check_seed(seed)
         self._ldet_debug_mode = normalize_debug_mode(debug_mode)
+        # What this process's environment held before the strategy touched it; teardown() puts it back.
+        self._ldet_saved_env: dict[str, str | None] = {_CUBLAS_ENV: os.environ.get(_CUBLAS_ENV)}
         if self._ldet_debug_mode in (1, 2):
             # cuBLAS reads this when its first handle is created; Lightning initialises CUDA before
             # setup_environment, so set it now (child processes inherit it) rather than warn there.
@@ -156,6 +168,8 @@ class DeterministicStrategyMixin:
         self._add_rng_checkpoint()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
+        for key in (*_SEED_ENV, _CUBLAS_ENV):
+            self._ldet_saved_env.setdefault(key, os.environ.get(key))
         base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
         self._ldet_base_seed = base
         spec = self._ldet_topology_spec
@@ -203,6 +217,25 @@ class DeterministicStrategyMixin:
             local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
             seed_all(local)
             _record_seeds(self._ldet_base_seed, local)
+
+    @override
+    def teardown(self) -> None:  # type: ignore[misc]
+        super().teardown()  # type: ignore[misc]
+        self._restore_env()
+
+    def _restore_env(self) -> None:
+        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace).
+
+        Set during the fit, they reach data-loader workers and child processes; left behind, a drawn seed would
+        turn Lightning's ``reset_seed()`` (a no-op without ``seed_everything``) into a reseed and be silently
+        reused by a later ``seed_everything()``.
+        """
+        saved, self._ldet_saved_env = self._ldet_saved_env, {}
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     @override
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]

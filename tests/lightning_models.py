@@ -64,9 +64,16 @@ class IndexDataset(Dataset):
 class RecordingModule(L.LightningModule):
     """Builds its network in ``configure_model`` and records, per rank, what the strategy tests check."""
 
-    def __init__(self, out_dir: str, n: int = 32, batch_size: int = 4, record_draws: bool = True) -> None:
+    def __init__(
+        self, out_dir: str, n: int = 32, batch_size: int = 4, record_draws: bool = True, metrics: bool = False
+    ) -> None:
         super().__init__()
         self.record_draws = record_draws
+        if metrics:  # the package's metrics on the module: pickled by spawn launchers, forward() on grad logits
+            from lightning_determinism import DistributedMean, DistributedPerplexity
+
+            self.train_ppl = DistributedPerplexity()
+            self.train_mean = DistributedMean()
         self.out_dir = out_dir
         self.n = n
         self.batch_size = batch_size
@@ -101,7 +108,23 @@ class RecordingModule(L.LightningModule):
         self.record["train_sampler"] = type(self.trainer.train_dataloader.sampler).__name__
         mask = nn.functional.dropout(torch.ones(8), 0.5, training=True)
         self.record["dropout"].append(mask.tolist())
-        return nn.functional.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if hasattr(self, "train_ppl"):
+            logits = torch.cat([out, -out], dim=-1)  # a two-class "language model" whose logits require grad
+            # forward() on logits that require grad, its batch value logged, as users write it ...
+            self.log("train/ppl_batch", self.train_ppl(logits, (y[:, 0] > 0).long()))
+            self.train_mean((out - y).square().detach())
+            # ... and the metric objects, which Lightning computes (and syncs) at the epoch's end.
+            self.log("train/ppl", self.train_ppl, on_step=False, on_epoch=True)
+            self.log("train/mean", self.train_mean, on_step=False, on_epoch=True)
+        return nn.functional.mse_loss(out, y)
+
+    def on_train_epoch_end(self) -> None:
+        if hasattr(self, "train_ppl"):
+            self.record["train_ppl"] = float(self.train_ppl.compute())
+            self.record["train_mean"] = float(self.train_mean.compute())
+            with self.train_ppl.sync_context():
+                self.record["train_count"] = int(self.train_ppl.count)
 
     def on_fit_end(self) -> None:
         self.record["final_digest"] = state_digest(self.net)

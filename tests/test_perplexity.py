@@ -273,7 +273,8 @@ def test_metric_attributes_follow_torchmetrics():
     metric = DistributedPerplexity()
     assert metric.higher_is_better is False
     assert metric.full_state_update is False
-    assert metric._reductions["nll_sum"] is not None and metric._reductions["count"] is not None
+    assert set(metric._reductions) == {"nll_limbs", "count", "nonfinite"}
+    assert all(metric._reductions[name] is not None for name in metric._reductions)
 
 
 def test_plot():

@@ -138,3 +138,63 @@ def test_cublas_workspace_is_set_when_the_strategy_is_built(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     DeterministicDDPStrategy(debug_mode="error")
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+class _EnvInWorkers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor([float(os.environ.get("PL_GLOBAL_SEED", "-1"))], dtype=torch.float64)
+
+
+class _EnvModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.extend(batch[:, 0].tolist())
+        return self.layer(batch.float()).sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_EnvInWorkers(), batch_size=2, num_workers=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_teardown_restores_the_environment_the_strategy_set(tmp_path):
+    for key in ("PL_GLOBAL_SEED", "LDET_BASE_SEED", "LDET_LOCAL_SEED", "CUBLAS_WORKSPACE_CONFIG"):
+        os.environ.pop(key, None)
+    strategy = DeterministicSingleDeviceStrategy(device="cpu")  # no seed, no seed_everything: one is drawn
+    trainer = L.Trainer(
+        strategy=strategy, max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
+    module = _EnvModule()
+    trainer.fit(module)
+    drawn = strategy.base_seed
+    assert module.seen == [float(drawn)] * 4  # the worker process saw the drawn seed during the fit
+    for key in ("PL_GLOBAL_SEED", "LDET_BASE_SEED", "LDET_LOCAL_SEED", "CUBLAS_WORKSPACE_CONFIG"):
+        assert key not in os.environ, key  # ... and nothing of it is left after the fit
+    # Lightning's contract holds again: without seed_everything, reset_seed() does nothing.
+    from lightning.fabric.utilities.seed import reset_seed
+
+    torch.manual_seed(5)
+    expected = torch.rand(1, generator=torch.Generator().manual_seed(5))
+    reset_seed()
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_teardown_keeps_a_seed_the_user_set(tmp_path):
+    L.seed_everything(1234, verbose=False)
+    trainer = L.Trainer(
+        strategy="single_device_deterministic",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(_EnvModule())
+    assert os.environ["PL_GLOBAL_SEED"] == "1234"

@@ -1,33 +1,33 @@
-"""DistributedPerplexity: exact-count, float64, memory-bounded perplexity that agrees across processes.
+"""DistributedPerplexity: perplexity with the same bits on any world size, batch split and order of batches.
 
-The per-token negative log-likelihood is computed chunk by chunk as ``(max - x_target) + log(sum(exp(x - max)))``:
-the difference of logits is taken in float64, the exponentials in float32 (at least) inside a chunk that fits in
-cache; each row's exponentials, and then the per-token values, are summed in float64. Nothing of size ``N x V`` is
-ever allocated, and the result stays finite where ``softmax().log()`` underflows to ``inf``.
+Two things make that hold (see docs/perplexity.md):
+
+- each token's NLL does not depend on the rows that share its batch (:mod:`~lightning_determinism.metrics._nll`);
+- the NLLs are summed as exact fixed-point integers (:mod:`~lightning_determinism.exact`), which add up to the same
+  bits in any order and across processes, and the count is an int64.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 from torchmetrics.utilities.plot import _AX_TYPE, _PLOT_OUT_TYPE
 
 from lightning_determinism.errors import DeterminismWarning
-
-_CHUNK_BYTES_CPU = 2 * 2**20  # a chunk of float32 rows that stays in a CPU's L2/L3 cache (fastest measured)
-_CHUNK_BYTES_CUDA = 256 * 2**20  # on a GPU, fewer and larger kernels win
-_EXP_FLOOR = -87.0  # exp() below this is subnormal: ~35x slower on CPUs, and < 2e-38 of the row's sum
+from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, limbs_to_float, zero_limbs
+from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite
+from lightning_determinism.metrics._nll import token_nll, use_compiled
 
 
 class _PerplexityStats(NamedTuple):
-    nll_sum: Tensor  # float64 scalar
-    tokens: Tensor  # int64 scalar
-    nonfinite: Tensor  # int64 scalar: counted tokens whose NLL is inf or nan
+    limbs: Tensor  # int64 [3]: the exact sum of the finite NLLs
+    tokens: Tensor  # int64 scalar: counted tokens
+    nonfinite: Tensor  # int64 [3]: counted tokens whose NLL is nan, +inf, -inf
 
 
 def _check_inputs(preds: Tensor, target: Tensor, ignore_index: int | None) -> None:
@@ -47,62 +47,39 @@ def _check_inputs(preds: Tensor, target: Tensor, ignore_index: int | None) -> No
             "`preds` must be [B, T, V] with `target` [B, T], or [N, V] with `target` [N];"
             f" got preds {tuple(preds.shape)} and target {tuple(target.shape)}"
         )
+    _check_ignore_index(ignore_index)
+
+
+def _check_ignore_index(ignore_index: object) -> None:
     if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
         raise TypeError(f"`ignore_index` must be an int or None, got {ignore_index!r}")
 
 
-def _chunk_rows(vocab_size: int, device: torch.device, chunk_size: int | None) -> int:
-    if chunk_size is not None:
-        return chunk_size
-    budget = _CHUNK_BYTES_CUDA if device.type == "cuda" else _CHUNK_BYTES_CPU
-    return max(1, budget // (4 * max(vocab_size, 1)))
-
-
-def _token_nll(logits: Tensor, ids: Tensor, chunk_size: int | None = None) -> Tensor:
-    """Per-token NLL (float64) of valid ``ids`` ``[N]`` under ``logits`` ``[N, V]``, one cache-sized chunk at a time.
-
-    ``nll = (max - x_target) + log(sum(exp(x - max)))``: the first term is exact in float64; the exponentials are
-    float32 (at least) and each row's sum of them is accumulated in float64. Both choices are measured, not taken
-    on faith (``benchmarks/perplexity.py``): a float32 row sum drops the many tiny terms of a peaked distribution
-    (a bias of -1e-8 relative per token on logits like a trained LM's), and ``exp2``/the fused softmax kernels,
-    though 1.5-3x faster on CPUs, carry a bias of 1e-9 to 1e-6 per token, which a sum over billions of tokens keeps.
-    """
-    vocab = logits.shape[-1]
-    work_dtype = torch.promote_types(logits.dtype, torch.float32)
-    rows = _chunk_rows(vocab, logits.device, chunk_size)
-    n = logits.shape[0]
-    shifted = torch.empty((min(rows, n), vocab), dtype=work_dtype, device=logits.device)
-    row_max = torch.empty((n, 1), dtype=logits.dtype, device=logits.device)
-    row_sum = torch.empty(n, dtype=torch.float64, device=logits.device)
-    for start in range(0, n, rows):
-        chunk = logits[start : start + rows]
-        k = chunk.shape[0]
-        y = shifted[:k]
-        top = torch.amax(chunk, dim=-1, keepdim=True, out=row_max[start : start + k])
-        if chunk.dtype == work_dtype:
-            torch.sub(chunk, top, out=y)
-        else:  # fp16/bf16: upcast first, so the difference is taken in float32
-            y.copy_(chunk).sub_(top)
-        y.clamp_(min=_EXP_FLOOR).exp_()
-        torch.sum(y, dim=-1, dtype=torch.float64, out=row_sum[start : start + k])
-    picked = logits.gather(-1, ids[:, None])
-    return (row_max.double() - picked.double()).squeeze(-1) + row_sum.log()
+def _check_compile(compile: object) -> None:
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"`compile` must be True, False or None (automatic), got {compile!r}")
 
 
 def _perplexity_update(
-    preds: Tensor, target: Tensor, ignore_index: int | None = None, chunk_size: int | None = None
+    preds: Tensor,
+    target: Tensor,
+    ignore_index: int | None = None,
+    chunk_size: int | None = None,
+    compile: bool | None = None,
 ) -> _PerplexityStats:
-    """Sum of the per-token NLL (float64), number of counted tokens (int64) and how many NLLs are not finite.
+    """Exact sum of the per-token NLL, number of counted tokens and how many NLLs are not finite.
 
     Args:
-        preds: logits ``[B, T, V]`` or ``[N, V]``, any float dtype (half types are upcast per chunk).
+        preds: logits ``[B, T, V]`` or ``[N, V]``, any float dtype (half types are upcast inside the kernel).
         target: token ids ``[B, T]`` or ``[N]``.
         ignore_index: a target value that is not counted.
-        chunk_size: rows per chunk; ``None`` picks about 2 MiB of float32 per chunk (256 MiB on CUDA).
+        chunk_size: rows per chunk of the eager path; ``None`` picks about 2 MiB of float32 per chunk.
+        compile: use the compiled kernel; ``None`` decides by device and vocabulary.
 
     Raises:
         TypeError: ``preds`` not floating point, ``target`` not integer.
-        ValueError: mismatched shapes, or a target outside ``[0, V)`` that is not ``ignore_index``.
+        ValueError: mismatched shapes, a target outside ``[0, V)`` that is not ``ignore_index``, or a token NLL
+            past the exact range (``2**42`` nats).
     """
     _check_inputs(preds, target, ignore_index)
     vocab = preds.shape[-1]
@@ -116,20 +93,26 @@ def _perplexity_update(
             f"`target` values must be in [0, {vocab}) or equal `ignore_index`={ignore_index}, got {first}"
             f" ({int(bad.sum())} such tokens)"
         )
-    nll = _token_nll(logits, torch.where(keep, ids, torch.zeros_like(ids)), chunk_size)
+    compiled = use_compiled(compile, logits.device, vocab)
+    nll = token_nll(logits, torch.where(keep, ids, torch.zeros_like(ids)), compiled, chunk_size)
     counted = nll[keep]
+    finite = torch.isfinite(counted)
+    values = counted[finite]
+    if values.numel() and float(values.max()) >= TERM_LIMIT:
+        raise ValueError(
+            f"a token's NLL is {float(values.max()):.4g} nats, past the exact range of 2**42 nats: the logits of its"
+            " row are further apart than any trained model's"
+        )
     return _PerplexityStats(
-        nll_sum=counted.sum(),
+        limbs=exact_sum(values) if values.numel() else zero_limbs(preds.device),
         tokens=keep.sum(dtype=torch.int64),
-        nonfinite=(~torch.isfinite(counted)).sum(dtype=torch.int64),
+        nonfinite=count_nonfinite(counted),
     )
 
 
-def _perplexity_compute(nll_sum: Tensor, count: Tensor) -> Tensor:
-    """``exp(nll_sum / count)`` in float64: ``inf`` on overflow, NaN when nothing was counted."""
-    if int(count) == 0:
-        return torch.tensor(float("nan"), dtype=torch.float64, device=nll_sum.device)
-    return torch.exp(nll_sum.double() / count.double())
+def _perplexity_compute(mean_nll: float, device: torch.device | None = None) -> Tensor:
+    """``exp(mean NLL)`` as a float64 tensor: ``inf`` on overflow, NaN stays NaN."""
+    return torch.tensor(mean_nll, dtype=torch.float64, device=device).exp()
 
 
 def _warn_nonfinite(nonfinite: int, count: int) -> None:
@@ -137,18 +120,26 @@ def _warn_nonfinite(nonfinite: int, count: int) -> None:
         f"`preds` held non-finite logits: the NLL of {nonfinite} of {count} counted tokens is inf or nan, so the"
         " perplexity is not finite.",
         DeterminismWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
-def perplexity(preds: Tensor, target: Tensor, ignore_index: int | None = None, chunk_size: int | None = None) -> Tensor:
-    """Perplexity of ``target`` under the logits ``preds``, as a float64 scalar.
+def perplexity(
+    preds: Tensor,
+    target: Tensor,
+    ignore_index: int | None = None,
+    chunk_size: int | None = None,
+    compile: bool | None = None,
+) -> Tensor:
+    """Perplexity of ``target`` under the logits ``preds``, as a float64 scalar (not differentiable).
 
     Args:
-        preds: logits ``[B, T, V]`` or ``[N, V]`` in any float dtype.
+        preds: logits ``[B, T, V]`` or ``[N, V]`` in any float dtype; may require grad.
         target: token ids ``[B, T]`` or ``[N]``.
         ignore_index: a target value that is not counted (e.g. ``-100`` for padding).
-        chunk_size: rows per chunk; ``None`` chooses by memory (about 2 MiB of float32 on CPU).
+        chunk_size: rows per chunk of the eager path; ``None`` chooses by memory (about 2 MiB of float32 on CPU).
+        compile: ``True``/``False`` for the compiled kernel or the eager path; ``None`` decides by device and
+            vocabulary (see docs/perplexity.md).
 
     Returns:
         ``exp(mean NLL)``; NaN with a warning when no token is counted.
@@ -163,29 +154,43 @@ def perplexity(preds: Tensor, target: Tensor, ignore_index: int | None = None, c
         >>> bool(torch.isclose(ppl, ref.exp(), rtol=1e-6)), ppl.dtype  # float32 logits: ~1e-8 per token
         (True, torch.float64)
     """
-    stats = _perplexity_update(preds, target, ignore_index, chunk_size)
+    _check_compile(compile)
+    stats = _perplexity_update(preds, target, ignore_index, chunk_size, compile)
     count = int(stats.tokens)
+    nan, pos, _ = (int(v) for v in stats.nonfinite.tolist())
     if count == 0:
         warnings.warn(
             "perplexity counted no token (all ignored or empty); returning nan", DeterminismWarning, stacklevel=2
         )
-    elif int(stats.nonfinite):
-        _warn_nonfinite(int(stats.nonfinite), count)
-    return _perplexity_compute(stats.nll_sum, stats.tokens)
+        mean = math.nan
+    elif nan or pos:
+        _warn_nonfinite(nan + pos, count)
+        mean = math.nan if nan else math.inf
+    else:
+        mean = exact_mean(stats.limbs, count)
+    return _perplexity_compute(mean, preds.device)
 
 
-class DistributedPerplexity(Metric):
-    """Perplexity with a float64 NLL sum and an int64 token count, summed across processes on ``compute()``.
+class DistributedPerplexity(ExactMetric):
+    """Perplexity summed exactly over batches and processes: the same bits on 1, 2 or 8 processes, any batch size.
 
-    Unlike ``torchmetrics.text.Perplexity`` (float32 states, ``softmax().log()``, an ``N x V`` probability matrix per
-    update), the count stays exact past ``2**24`` tokens, the NLL is finite wherever the true value is, and an
-    update's extra memory is one chunk of rows. The states are dtype-locked: ``half()``, ``set_dtype()`` and
-    Lightning's ``bf16-true``/``16-true`` precision cannot downgrade them.
+    Each token's NLL is computed without depending on the other rows of its batch, then added as an exact
+    fixed-point number (64 fractional bits) to int64 limbs; the token count is an int64. ``compute()`` sums the
+    states over processes (integers: exact in any order) and returns ``exp(sum / count)`` in float64, correctly
+    rounded from the exact values. Unlike ``torchmetrics.text.Perplexity`` (float32 states, ``softmax().log()``, an
+    ``N x V`` probability matrix per update), the count stays exact past ``2**24`` tokens, the NLL is finite wherever
+    the true value is, and an update needs no memory of the size of the logits. States are dtype-locked.
 
     Args:
         ignore_index: a target value that is not counted (e.g. ``-100``).
-        chunk_size: rows per chunk; ``None`` chooses by memory.
-        kwargs: passed to :class:`torchmetrics.Metric` (``process_group``, ``sync_on_compute``, ...).
+        chunk_size: rows per chunk of the eager path; ``None`` chooses by memory.
+        compile: ``True``/``False`` for the compiled kernel or the eager path; ``None`` decides by device and
+            vocabulary (CPU and ``V >= 4096`` compile). One metric keeps one path, whatever the batch.
+        kwargs: passed to :class:`torchmetrics.Metric` (``process_group``, ``dist_sync_on_step``, ...).
+
+    Raises:
+        TypeError: for an ``ignore_index`` that is not an int, or a ``compile`` that is not a bool or None.
+        ValueError: for a ``chunk_size`` that is not a positive int.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -193,7 +198,7 @@ class DistributedPerplexity(Metric):
         >>> logits, target = torch.randn(2, 6, 10), torch.randint(10, (2, 6))
         >>> metric.update(logits[:1], target[:1])
         >>> metric.update(logits[1:], target[1:])
-        >>> bool(torch.isclose(metric.compute(), perplexity(logits, target), rtol=1e-12))
+        >>> torch.equal(metric.compute(), perplexity(logits, target))  # exact sums: any split, the same bits
         True
         >>> metric.count
         tensor(12)
@@ -204,79 +209,98 @@ class DistributedPerplexity(Metric):
     full_state_update = False
     plot_lower_bound = 1.0
 
-    _LOCKED_DTYPES = {"nll_sum": torch.float64, "count": torch.int64}
+    _LIMBS = "nll_limbs"
+    _EXTRA_UPDATES = ("update_from_loss",)
 
-    nll_sum: Tensor
-    count: Tensor
+    nll_limbs: Tensor
 
-    def __init__(self, ignore_index: int | None = None, chunk_size: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-            raise TypeError(f"`ignore_index` must be an int or None, got {ignore_index!r}")
+    def __init__(
+        self,
+        ignore_index: int | None = None,
+        chunk_size: int | None = None,
+        compile: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_ignore_index(ignore_index)
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(f"`chunk_size` must be a positive int or None, got {chunk_size!r}")
+        _check_compile(compile)
+        super().__init__(**kwargs)
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
-        self.add_state("nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+        self.compile_kernel = compile  # not `self.compile`: nn.Module.compile is a method
         self._warned_nonfinite = False
         self._warned_empty = False
-        # Same bookkeeping as `update` (cache invalidation, update count) for the second way in.
-        self.update_from_loss = self._wrap_update(self.update_from_loss)  # type: ignore[method-assign]
+
+    @property
+    def nll_sum(self) -> Tensor:
+        """The summed NLL of this process's states as float64 (correctly rounded from the exact value)."""
+        return torch.tensor(limbs_to_float(self.nll_limbs), dtype=torch.float64, device=self.nll_limbs.device)
 
     def update(self, preds: Tensor, target: Tensor) -> None:  # type: ignore[override]
         """Add a batch of logits ``[B, T, V]`` (or ``[N, V]``) and token ids ``[B, T]`` (or ``[N]``)."""
-        stats = _perplexity_update(preds, target, self.ignore_index, self.chunk_size)
-        self.nll_sum += stats.nll_sum.to(self.nll_sum.device)
-        self.count += stats.tokens.to(self.count.device)
-        if not self._warned_nonfinite and int(stats.nonfinite):
+        stats = _perplexity_update(preds, target, self.ignore_index, self.chunk_size, self.compile_kernel)
+        self._add_limbs(stats.limbs, stats.tokens, stats.nonfinite)
+        bad = int(stats.nonfinite.sum())
+        if bad and not self._warned_nonfinite:
             self._warned_nonfinite = True
-            _warn_nonfinite(int(stats.nonfinite), int(stats.tokens))
+            _warn_nonfinite(bad, int(stats.tokens))
 
     def update_from_loss(self, loss_sum: Tensor | float, num_tokens: Tensor | int) -> None:
         """Add an already summed NLL (e.g. a Hugging Face model's mean loss times its token count).
 
         Args:
-            loss_sum: the *summed* NLL over ``num_tokens`` tokens, natural log.
-            num_tokens: how many tokens it covers, a non-negative integer.
+            loss_sum: the *summed* NLL over ``num_tokens`` tokens, natural log: a number ``>= 0`` (``inf`` and NaN
+                are counted like non-finite logits and make the perplexity ``inf``/NaN, with a warning).
+            num_tokens: how many tokens it covers, a non-negative integer (``0`` only with ``loss_sum == 0``).
 
         Raises:
-            TypeError: ``num_tokens`` not an integer.
-            ValueError: ``num_tokens`` negative or ``loss_sum`` not a scalar.
+            TypeError: ``num_tokens`` not an integer, ``loss_sum`` not a real number.
+            ValueError: ``num_tokens`` negative, ``loss_sum`` negative or not a scalar, or a positive ``loss_sum``
+                over no token.
         """
         tokens = num_tokens.item() if isinstance(num_tokens, Tensor) and num_tokens.numel() == 1 else num_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise TypeError(f"`num_tokens` must be a non-negative int (or integer tensor), got {num_tokens!r}")
         if tokens < 0:
             raise ValueError(f"`num_tokens` must be >= 0, got {tokens}")
-        loss = torch.as_tensor(loss_sum, dtype=torch.float64)
-        if loss.numel() != 1:
-            raise ValueError(f"`loss_sum` must be a scalar (the summed NLL), got shape {tuple(loss.shape)}")
-        if not self._warned_nonfinite and not bool(torch.isfinite(loss)):
-            self._warned_nonfinite = True
-            _warn_nonfinite(tokens, tokens)
-        self.nll_sum += loss.reshape(()).to(self.nll_sum.device)
-        self.count += tokens
+        if isinstance(loss_sum, Tensor):
+            if loss_sum.numel() != 1:
+                raise ValueError(f"`loss_sum` must be a scalar (the summed NLL), got shape {tuple(loss_sum.shape)}")
+            if not (loss_sum.is_floating_point() or loss_sum.dtype in (torch.int32, torch.int64)):
+                raise TypeError(f"`loss_sum` must be a real number, got a {loss_sum.dtype} tensor")
+            value = float(loss_sum.detach())
+        elif isinstance(loss_sum, (int, float)) and not isinstance(loss_sum, bool):
+            value = float(loss_sum)
+        else:
+            raise TypeError(f"`loss_sum` must be a real number or a scalar tensor, got {loss_sum!r}")
+        if value < 0 or value == -math.inf:
+            raise ValueError(f"`loss_sum` is a summed negative log-likelihood and cannot be negative, got {value!r}")
+        if tokens == 0 and value != 0:
+            raise ValueError(f"`loss_sum`={value!r} covers `num_tokens`=0 tokens: a non-zero sum needs tokens")
+        if not math.isfinite(value):
+            if not self._warned_nonfinite:
+                self._warned_nonfinite = True
+                result = "nan" if math.isnan(value) else "inf"
+                warnings.warn(
+                    f"update_from_loss got `loss_sum`={value!r}: the perplexity is {result}.",
+                    DeterminismWarning,
+                    stacklevel=3,
+                )
+            self._add_limbs(zero_limbs(), tokens, count_nonfinite(torch.tensor([value])))
+            return
+        self._add(torch.tensor([value], dtype=torch.float64), tokens)
 
     def compute(self) -> Tensor:
-        """``exp(nll_sum / count)`` in float64 over everything seen on every process."""
+        """``exp(sum / count)`` in float64 over everything seen on every process."""
         if int(self.count) == 0 and not self._warned_empty:
             self._warned_empty = True
             warnings.warn(
                 "DistributedPerplexity counted no token; compute() returns nan", DeterminismWarning, stacklevel=2
             )
-        return _perplexity_compute(self.nll_sum, self.count)
-
-    def _apply(self, fn: Callable, exclude_state: Sequence[str] = ()) -> torch.nn.Module:
-        # Let torchmetrics move/cast everything else, then move the locked states without ever casting them:
-        # a float64 -> bf16 -> float64 round trip would already have lost the sum.
-        this = super()._apply(fn, exclude_state=tuple(exclude_state) + tuple(self._LOCKED_DTYPES))
-        for name, dtype in self._LOCKED_DTYPES.items():
-            setattr(this, name, getattr(this, name).to(device=this.device, dtype=dtype))
-            this._defaults[name] = this._defaults[name].to(device=this.device, dtype=dtype)  # type: ignore[union-attr,index,operator,call-overload]
-        return this
+        return _perplexity_compute(self._exact_mean(), self.nll_limbs.device)
 
     def plot(self, val: Tensor | Sequence[Tensor] | None = None, ax: _AX_TYPE | None = None) -> _PLOT_OUT_TYPE:
         """Plot one value or a sequence of values (``compute()`` when ``val`` is None); needs matplotlib."""

@@ -31,6 +31,22 @@ def _sync_under_plain_dist(rank, world_size, out_dir):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
 
 
+def _forward_with_dist_sync_on_step(rank, world_size, out_dir):
+    metric = DistributedPerplexity(ignore_index=-100, dist_sync_on_step=True)
+    part = SPLITS[rank]
+    batch_value = metric(PREDS[part], TARGET[part])  # synced over both ranks' batches at once
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"batch": batch_value.item(), "local": int(metric.count)}))
+
+
+def test_dist_sync_on_step_gives_the_global_batch_value(tmp_path):
+    run_distributed(_forward_with_dist_sync_on_step, tmp_path, tmp_path)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    single = DistributedPerplexity(ignore_index=-100)
+    single.update(PREDS, TARGET)
+    assert records[0]["batch"] == records[1]["batch"] == single.compute().item()
+    assert records[0]["local"] != records[1]["local"]  # the accumulated state stays local
+
+
 def test_compute_syncs_over_the_default_group(tmp_path):
     run_distributed(_sync_under_plain_dist, tmp_path, tmp_path)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -62,7 +78,33 @@ def test_two_ranks_on_seven_samples_equal_one_rank(tmp_path):
     assert [sum(r["seen"]) for r in ours] == [4, 3]  # every sample once, uneven ranks
     assert [sum(r["seen"]) for r in lightning_default] == [4, 4]  # sample 0 repeated as padding
     for record in ours:
-        assert math.isclose(record["ppl"], single["ppl"], rel_tol=1e-12)
+        assert record["ppl"] == single["ppl"]  # bitwise: exact sums, batch-invariant NLL
         assert record["dtypes"] == ["torch.float64", "torch.int64"]
     # The difference Lightning's default makes: a repeated sample changes the distributed perplexity.
     assert not math.isclose(lightning_default[0]["ppl"], single["ppl"], rel_tol=1e-6)
+
+
+def _evaluate_shard(rank, world_size, out_dir, batch_size, compile):
+    from tests.test_perplexity_invariance import N_SAMPLES, evaluate
+
+    # What UnpaddedDistributedSampler gives rank r: r, r + W, r + 2W, ... (every sample once).
+    ppl, mean = evaluate(list(range(rank, N_SAMPLES, world_size)), batch_size, compile)
+    values = (float(ppl.compute()).hex(), float(mean.compute()).hex())  # compute() syncs over the group
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(values))
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_997_samples_give_the_same_bits_on_1_2_3_4_processes(tmp_path, compile):
+    from lightning_determinism.metrics._nll import KERNEL
+    from tests.test_perplexity_invariance import N_SAMPLES, evaluate
+
+    ppl, mean = evaluate(list(range(N_SAMPLES)), 32, compile)  # compiled here, before forking, for every rank
+    if compile and not KERNEL.available():
+        pytest.skip(f"torch.compile is not usable here: {KERNEL.failed}")
+    single = (float(ppl.compute()).hex(), float(mean.compute()).hex())
+    for world_size, batch_size in ((2, 7), (3, 1), (4, 32)):
+        out = tmp_path / f"w{world_size}"
+        out.mkdir()
+        run_distributed(_evaluate_shard, tmp_path, out, batch_size, compile, world_size=world_size)
+        for rank in range(world_size):
+            assert tuple(json.loads((out / f"rank{rank}.json").read_text())) == single, (world_size, rank)

@@ -1,6 +1,7 @@
 """Lightning fits with the deterministic DDP strategy on 2 CPU ranks (fork for speed, one real spawn)."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -121,9 +122,14 @@ def test_debug_mode_none_leaves_flags_alone(tmp_path):
 
 def test_spawn_path(tmp_path):
     torch.manual_seed(3)
-    fit(DeterministicDDPStrategy(seed=5, start_method="spawn"), tmp_path, n=16)
+    # The module holds DistributedPerplexity and DistributedMean: the spawn launcher pickles it for each rank.
+    fit(DeterministicDDPStrategy(seed=5, start_method="spawn"), tmp_path, n=16, metrics=True)
     records = read_records(tmp_path, 2)
     for rank, record in enumerate(records):
         assert (record["base_seed"], record["local_seed"]) == (5, 5 + rank)
         assert record["draws"] == reference_draws(5 + rank)
     assert records[0]["init_digest"] == records[1]["init_digest"]
+    # compute() synced both ranks' states: 16 samples seen in all, the same value on each rank.
+    assert [r["train_count"] for r in records] == [16, 16]
+    assert records[0]["train_ppl"] == records[1]["train_ppl"] and math.isfinite(records[0]["train_ppl"])
+    assert records[0]["train_mean"] == records[1]["train_mean"]
