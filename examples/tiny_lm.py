@@ -156,6 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def resume_demo(args: argparse.Namespace) -> None:
     """Run the uninterrupted training and the interrupted one (each phase a new process); print both fingerprints."""
     import subprocess
@@ -175,8 +179,9 @@ def resume_demo(args: argparse.Namespace) -> None:
             [*common[:3], str(half), *common[4:], "--ckpt-dir", tmp], capture_output=True, text=True, check=True
         )
         resumed = fingerprint(["--resume-from", os.path.join(tmp, "last.ckpt")])
-    print(f"uninterrupted {args.epochs} epochs:           {straight}")
-    print(f"{half} epochs + new process + {args.epochs - half} epochs: {resumed}")
+    first, second = _count(half, "epoch"), _count(args.epochs - half, "epoch")
+    print(f"uninterrupted {_count(args.epochs, 'epoch')}: {straight}")
+    print(f"{first} + new process + {second}: {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 

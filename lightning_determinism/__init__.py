@@ -2,14 +2,25 @@
 
 Importing the package registers the deterministic strategies in Lightning's ``StrategyRegistry``
 (``ddp_deterministic``, ``ddp_spawn_deterministic``, ``ddp_fork_deterministic``, ``fsdp_deterministic``, ...).
+Every public name the documentation uses can be imported from here.
 """
 
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.backends import configure_determinism, determinism_report
+from lightning_determinism.baseline_file import BaselineFileError, compare_baselines, load_baseline
 from lightning_determinism.callbacks import NumericalBaseline, RNGStateCheckpoint, WorkerSeedCallback
+from lightning_determinism.callbacks.baseline import BaselineMismatch
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.fingerprint import fingerprint
+from lightning_determinism.fingerprint import fingerprint, tensor_fingerprints
 from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
+from lightning_determinism.rng import (
+    RNGStatesTracker,
+    capture_rng_state,
+    generator,
+    get_rng_tracker,
+    restore_rng_state,
+)
+from lightning_determinism.samplers import UnpaddedDistributedSampler
 from lightning_determinism.seeding import derive_seed, set_seed
 from lightning_determinism.strategies import (
     DeterministicDDPStrategy,
@@ -18,10 +29,13 @@ from lightning_determinism.strategies import (
     DeterministicStrategyMixin,
     register_strategies,
 )
+from lightning_determinism.topology import GroupInfo, Topology, model_parallel_seed, stream_seeds
 
 register_strategies()
 
 __all__ = [
+    "BaselineFileError",
+    "BaselineMismatch",
     "DeterminismWarning",
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",
@@ -29,14 +43,28 @@ __all__ = [
     "DeterministicStrategyMixin",
     "DistributedMean",
     "DistributedPerplexity",
+    "GroupInfo",
     "NumericalBaseline",
     "RNGStateCheckpoint",
+    "RNGStatesTracker",
+    "Topology",
+    "UnpaddedDistributedSampler",
     "WorkerSeedCallback",
     "__version__",
+    "capture_rng_state",
+    "compare_baselines",
     "configure_determinism",
     "derive_seed",
     "determinism_report",
     "fingerprint",
+    "generator",
+    "get_rng_tracker",
+    "load_baseline",
+    "model_parallel_seed",
     "perplexity",
+    "register_strategies",
+    "restore_rng_state",
     "set_seed",
+    "stream_seeds",
+    "tensor_fingerprints",
 ]

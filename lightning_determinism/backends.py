@@ -154,7 +154,7 @@ def determinism_report() -> dict[str, Any]:
     cuda_available = torch.cuda.is_available()
     return {
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion would not load under weights_only=True
         "lightning": _version("lightning"),
         "numpy": np.__version__,
         "torchmetrics": _version("torchmetrics"),

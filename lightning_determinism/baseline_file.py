@@ -1,4 +1,8 @@
-"""Reading and comparing NumericalBaseline files (used by the callback and the command line).
+"""NumericalBaseline files: the format, its default tolerances, reading, describing and comparing them.
+
+Used by the callback (writing, comparing a run) and by the command line (comparing two files). A non-finite value
+(NaN, ``inf``) is never "equal": a divergence finder that passes NaN is worse than none. Identical non-finite values
+can be accepted on request (``nonfinite_equal=True``).
 
 This module is a leaf: it knows json and math, nothing of torch or Lightning.
 """
@@ -9,6 +13,17 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+FORMAT = 1
+"""The version of the file format written (``{"format": 1, "world_size", "steps": [...], "report": {...}}``)."""
+
+# float32, one process vs DDP on the same global batch: the gradient all-reduce sums in another order (relative
+# error ~1e-7 per step), which a few optimizer steps amplify; 1e-4 relative leaves two orders of magnitude for that
+# while a real bug (a missing all-reduce, a wrong batch, a different dropout mask) moves values by 1e-2 or more.
+DEFAULT_RTOL = 1e-4
+"""Default relative tolerance of a comparison."""
+DEFAULT_ATOL = 1e-6
+"""Default absolute tolerance of a comparison."""
 
 
 class BaselineFileError(ValueError):
@@ -22,13 +37,15 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
         BaselineFileError: naming the file and what is wrong with it.
     """
     path = Path(path)
+    if path.is_dir():
+        raise BaselineFileError(f"{path}: is a directory, not a baseline file")
     if not path.is_file():
         raise BaselineFileError(f"{path}: no such file")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BaselineFileError(f"{path}: not a baseline file (not JSON: {err})") from None
-    if not isinstance(data, dict) or data.get("format") != 1 or not isinstance(data.get("steps"), list):
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("steps"), list):
         raise BaselineFileError(f"{path}: not a baseline file (expected a NumericalBaseline JSON with 'format': 1)")
     for i, step in enumerate(data["steps"]):
         if not isinstance(step, dict) or "loss" not in step or "grad_norms" not in step:
@@ -47,35 +64,74 @@ def quantities(reference: dict[str, Any], current: dict[str, Any]) -> list[tuple
     return pairs
 
 
-def _differs(x: Any, y: Any, rtol: float, atol: float) -> bool:
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _same_nonfinite(x: Any, y: Any) -> bool:
+    both_nan = isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
+    return both_nan or (isinstance(x, float) and math.isinf(x) and x == y)
+
+
+def differs(x: Any, y: Any, rtol: float, atol: float, nonfinite_equal: bool = False) -> bool:
+    """Whether two recorded values disagree: beyond tolerance, missing on one side, or not finite.
+
+    Example:
+        >>> differs(float("nan"), float("nan"), 1e-4, 1e-6), differs(float("nan"), float("nan"), 1e-4, 1e-6, True)
+        (True, False)
+    """
     if x is None or y is None:
         return x is not y
-    if math.isnan(x) and math.isnan(y):
-        return False
+    if not (_finite(x) and _finite(y)):
+        return not (nonfinite_equal and _same_nonfinite(x, y))
     return not math.isclose(x, y, rel_tol=rtol, abs_tol=atol)
 
 
 def first_mismatch(
-    reference: dict[str, Any], current: dict[str, Any], rtol: float, atol: float
+    reference: dict[str, Any], current: dict[str, Any], rtol: float, atol: float, nonfinite_equal: bool = False
 ) -> tuple[str, Any, Any] | None:
-    """The first quantity of one step beyond tolerance: ``(name, reference value, current value)``, else None.
+    """The first quantity of one step that differs: ``(name, reference value, current value)``, else None.
 
     Example:
         >>> first_mismatch({"loss": 1.0}, {"loss": 1.1}, rtol=1e-4, atol=0.0)
         ('loss', 1.0, 1.1)
+        >>> first_mismatch({"loss": float("nan")}, {"loss": float("nan")}, rtol=1e-4, atol=0.0)
+        ('loss', nan, nan)
     """
-    return next(((n, x, y) for n, x, y in quantities(reference, current) if _differs(x, y, rtol, atol)), None)
+    pairs = quantities(reference, current)
+    return next(((n, x, y) for n, x, y in pairs if differs(x, y, rtol, atol, nonfinite_equal)), None)
+
+
+def _abs_diff(a: float, b: float) -> float:
+    if a == b:  # equal infinities included
+        return 0.0
+    return abs(a - b)  # nan or inf when either is not finite
 
 
 def _rel(a: float, b: float) -> float:
     if a == b:
         return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan if math.isnan(a) or math.isnan(b) else math.inf
     scale = max(abs(a), abs(b))
     return abs(a - b) / scale if scale else math.inf
 
 
-def compare_baselines(a: dict[str, Any], b: dict[str, Any], rtol: float, atol: float) -> dict[str, Any]:
-    """Per-step maximum absolute and relative differences, and the first step and quantity beyond tolerance.
+def _worst(current: float, new: float) -> float:
+    """The larger difference, where NaN (an undefined difference) outranks everything."""
+    if math.isnan(current) or math.isnan(new):
+        return math.nan
+    return max(current, new)
+
+
+def compare_baselines(
+    a: dict[str, Any], b: dict[str, Any], rtol: float, atol: float, nonfinite_equal: bool = False
+) -> dict[str, Any]:
+    """Per-step maximum absolute and relative differences, non-finite values, and the first divergence.
+
+    Returns:
+        ``{"rows": [...], "first": {...} | None, "nonfinite": [{"step", "name", "a", "b"}, ...],
+        "compared": int}``. A row's ``max_abs``/``max_rel`` is NaN when a value on either side is NaN.
 
     Raises:
         BaselineFileError: if the files hold different steps or parameter sets.
@@ -89,7 +145,10 @@ def compare_baselines(a: dict[str, Any], b: dict[str, Any], rtol: float, atol: f
     from_a, from_b = a["steps"], b["steps"]
     if len(from_a) != len(from_b):
         raise BaselineFileError(f"the files hold different numbers of steps: {len(from_a)} and {len(from_b)}")
-    rows, first = [], None
+    rows: list[dict[str, Any]] = []
+    first = None
+    nonfinite: list[dict[str, Any]] = []
+    compared = 0
     for step_a, step_b in zip(from_a, from_b, strict=True):
         names_a, names_b = set(step_a["grad_norms"]), set(step_b["grad_norms"])
         if names_a != names_b:
@@ -97,10 +156,13 @@ def compare_baselines(a: dict[str, Any], b: dict[str, Any], rtol: float, atol: f
             raise BaselineFileError(f"the files hold different parameter sets at step {step_a.get('step')}: {only}")
         max_abs = max_rel = 0.0
         for name, x, y in quantities(step_a, step_b):
+            compared += 1
             if x is not None and y is not None:
-                max_abs, max_rel = max(max_abs, abs(x - y)), max(max_rel, _rel(x, y))
-            if first is None and _differs(x, y, rtol, atol):
-                diff = abs(x - y) if x is not None and y is not None else math.nan
+                max_abs, max_rel = _worst(max_abs, _abs_diff(x, y)), _worst(max_rel, _rel(x, y))
+                if not (_finite(x) and _finite(y)):
+                    nonfinite.append({"step": step_a.get("step"), "name": name, "a": x, "b": y})
+            if first is None and differs(x, y, rtol, atol, nonfinite_equal):
+                diff = _abs_diff(x, y) if x is not None and y is not None else math.nan
                 first = {"step": step_a.get("step"), "name": name, "a": x, "b": y, "diff": diff}
         rows.append(
             {
@@ -112,7 +174,37 @@ def compare_baselines(a: dict[str, Any], b: dict[str, Any], rtol: float, atol: f
                 "bitwise_params": step_a.get("param_fingerprints") == step_b.get("param_fingerprints"),
             }
         )
-    return {"rows": rows, "first": first}
+    return {"rows": rows, "first": first, "nonfinite": nonfinite, "compared": compared}
 
 
-__all__ = ["BaselineFileError", "compare_baselines", "first_mismatch", "load_baseline", "quantities"]
+def describe_baseline(data: dict[str, Any]) -> dict[str, Any]:
+    """What a baseline file says about the run that wrote it: world size, steps, quantities and its report.
+
+    Example:
+        >>> describe_baseline({"format": 1, "world_size": 2, "steps": []})["world_size"]
+        2
+    """
+    steps = data.get("steps", [])
+    first = steps[0] if steps else {}
+    return {
+        "kind": "NumericalBaseline file",
+        "world_size": data.get("world_size"),
+        "steps_recorded": len(steps),
+        "parameters": len(first.get("grad_norms", {})),
+        "quantities_per_step": len(quantities(first, first)) if first else 0,
+        "report": data.get("report"),
+    }
+
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "DEFAULT_RTOL",
+    "FORMAT",
+    "BaselineFileError",
+    "compare_baselines",
+    "describe_baseline",
+    "differs",
+    "first_mismatch",
+    "load_baseline",
+    "quantities",
+]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torchmetrics
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -72,4 +73,93 @@ def unpad_eval_dataloader(dataloader: object) -> object:
     return _update_dataloader(dataloader, new)
 
 
-__all__ = ["UnpaddedDistributedSampler", "unpad_eval_dataloader"]
+def eval_batch_counts(dataloader: object) -> list[int] | None:
+    """How many batches every rank runs through an unpadded evaluation loader (``None`` if it cannot be told).
+
+    Every rank computes the same list, from the dataset length, the world size and the batch size.
+
+    Example:
+        >>> loader = DataLoader(range(9), batch_size=4, sampler=UnpaddedDistributedSampler(range(9), 2, 0, False))
+        >>> eval_batch_counts(loader)
+        [2, 1]
+    """
+    if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, UnpaddedDistributedSampler):
+        return None
+    sampler, batch_size = dataloader.sampler, dataloader.batch_size
+    if batch_size is None:
+        return None  # a user's batch sampler: its batch count is its own
+    total, world = sampler.total_size, sampler.num_replicas
+    counts = []
+    for rank in range(world):
+        samples = max(0, math.ceil((total - rank) / world))
+        counts.append(samples // batch_size if dataloader.drop_last else math.ceil(samples / batch_size))
+    return counts
+
+
+class UnevenEvalGuard:
+    """Refuses a per-step collective while ranks run different numbers of evaluation batches.
+
+    With every sample evaluated once, ranks may run one batch more or less. A collective issued on every step
+    (``self.log(..., on_step=True, sync_dist=True)`` or a metric with ``dist_sync_on_step=True``) would then wait
+    forever on the ranks that have a batch more. Every rank knows the counts of all ranks, so all of them raise at the
+    first such collective, together, instead of hanging.
+    """
+
+    def __init__(self) -> None:
+        self._hooked: set[int] = set()
+
+    def watch(self, dataloader: object, module: Any) -> None:
+        """Hook the module's step-synced metrics if this evaluation loader gives ranks uneven batch counts."""
+        counts = eval_batch_counts(dataloader)
+        if counts is None or len(set(counts)) == 1:
+            return
+        for metric in module.modules():
+            if isinstance(metric, torchmetrics.Metric) and metric.dist_sync_on_step and id(metric) not in self._hooked:
+                self._hooked.add(id(metric))
+                metric.register_forward_pre_hook(_StepSyncHook(self, module))
+
+    def check(self, what: str, trainer: Any) -> None:
+        """Raise if ``what`` is a per-step collective while the current evaluation loaders are uneven.
+
+        Raises:
+            RuntimeError: naming the collective, the batch counts and what to do instead.
+        """
+        if trainer is None or not (trainer.evaluating or trainer.sanity_checking):
+            return
+        results = getattr(trainer, "_results", None)
+        if results is None or results.batch is None:
+            return  # epoch-end collectives run on every rank alike
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        if isinstance(loaders, dict):
+            loaders = list(loaders.values())
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            counts = eval_batch_counts(loader)
+            if counts is None or len(set(counts)) == 1:
+                continue
+            listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+            raise RuntimeError(
+                f"[rank: {trainer.global_rank}] {what} syncs across ranks on every evaluation step, but the ranks"
+                f" run different numbers of batches here ({listed}), because every sample is evaluated exactly once:"
+                " the ranks with fewer batches would never join the last collective and the run would hang. Log"
+                " evaluation values per epoch (on_step=False, the default in validation), use"
+                " dist_sync_on_step=False, or pass Trainer(use_distributed_sampler=False) with a sampler of your own."
+            )
+
+
+class _StepSyncHook:
+    """A metric's forward pre-hook: the metric syncs on every step, so ask the guard first (picklable)."""
+
+    def __init__(self, guard: UnevenEvalGuard, module: Any) -> None:
+        self.guard = guard
+        self.module = module
+
+    def __call__(self, metric: Any, args: Any) -> None:
+        self.guard.check(f"{type(metric).__name__}(dist_sync_on_step=True)", trainer_of(self.module))
+
+
+def trainer_of(module: Any) -> Any:
+    """The trainer a LightningModule is attached to, or ``None``."""
+    return getattr(module, "_trainer", None)
+
+
+__all__ = ["UnevenEvalGuard", "UnpaddedDistributedSampler", "eval_batch_counts", "unpad_eval_dataloader"]

@@ -16,17 +16,14 @@ distributed metric over an evaluation set equals the single-process value.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
@@ -36,7 +33,8 @@ from lightning_determinism.backends import (
     normalize_debug_mode,
     set_cublas_workspace,
 )
-from lightning_determinism.samplers import unpad_eval_dataloader
+from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
+from lightning_determinism.samplers import UnevenEvalGuard, trainer_of, unpad_eval_dataloader
 from lightning_determinism.seeding import (
     BASE_SEED_ENV,
     LOCAL_SEED_ENV,
@@ -51,26 +49,6 @@ log = logging.getLogger(__name__)
 
 _CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 _SEED_ENV = ("PL_GLOBAL_SEED", BASE_SEED_ENV, LOCAL_SEED_ENV)
-
-
-_EXIT_HOOK_REGISTERED = False
-
-
-def _destroy_gloo_group() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
-
-
-def _destroy_gloo_group_at_exit() -> None:
-    """Destroy a live gloo group when the interpreter exits (popen and torchrun ranks).
-
-    A process that exits with a live gloo group sometimes dies of ``terminate called without an active
-    exception`` (SIGABRT) while gloo's threads are torn down, which launchers report as a failed run.
-    """
-    global _EXIT_HOOK_REGISTERED
-    if not _EXIT_HOOK_REGISTERED:
-        atexit.register(_destroy_gloo_group)
-        _EXIT_HOOK_REGISTERED = True
 
 
 def _world_of(degrees: dict[str, Any]) -> int:
@@ -134,6 +112,7 @@ class DeterministicStrategyMixin:
         self.topology: Topology | None = topology if isinstance(topology, Topology) else None
         self._ldet_base_seed: int | None = None
         self._ldet_local_seed: int | None = None
+        self._ldet_eval_guard = UnevenEvalGuard()
         super().__init__(*args, **kwargs)
 
     @property
@@ -162,14 +141,27 @@ class DeterministicStrategyMixin:
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
     @override
+    def _configure_launcher(self) -> None:  # type: ignore[misc]
+        super()._configure_launcher()  # type: ignore[misc]
+        launcher = getattr(self, "_launcher", None)
+        setattr(self, "_launcher", replace_launcher(launcher, self))  # noqa: B010  (the base class owns the attribute)
+
+    @override
     def setup_environment(self) -> None:  # type: ignore[misc]
+        adopt_parent_from_env()  # a popen child script: die with the rank-0 process that started it
         super().setup_environment()  # type: ignore[misc]
-        _destroy_gloo_group_at_exit()
+        destroy_gloo_group_at_exit()
         self._add_rng_checkpoint()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
         for key in (*_SEED_ENV, _CUBLAS_ENV):
             self._ldet_saved_env.setdefault(key, os.environ.get(key))
+        if self._ldet_seed is not None:
+            source = "given to the strategy"
+        elif os.environ.get("PL_GLOBAL_SEED") is not None:
+            source = "taken from PL_GLOBAL_SEED (seed_everything)"
+        else:
+            source = "drawn on rank 0: pass seed=<it> to the strategy to repeat this run"
         base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
         self._ldet_base_seed = base
         spec = self._ldet_topology_spec
@@ -186,6 +178,8 @@ class DeterministicStrategyMixin:
         # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
         seed_all(base)
         _record_seeds(base, base)
+        # Once, where Lightning prints "Seed set to ...": enough to reproduce an unseeded run from its log.
+        rank_zero_info(f"Seed set to {base} by lightning_determinism ({source})")
         log.info(
             rank_prefixed_message(
                 f"lightning_determinism: base seed {base}, local seed {self._ldet_local_seed},"
@@ -219,6 +213,13 @@ class DeterministicStrategyMixin:
             _record_seeds(self._ldet_base_seed, local)
 
     @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        # Lightning's `self.log(..., sync_dist=True)` reduces through here.
+        module = getattr(self, "lightning_module", None)
+        self._ldet_eval_guard.check("self.log(..., on_step=True, sync_dist=True)", trainer_of(module))
+        return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    @override
     def teardown(self) -> None:  # type: ignore[misc]
         super().teardown()  # type: ignore[misc]
         self._restore_env()
@@ -245,7 +246,9 @@ class DeterministicStrategyMixin:
             return dataloader  # the user manages samplers: leave theirs alone
         if trainer.state.stage in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
             # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
-            return unpad_eval_dataloader(dataloader)
+            dataloader = unpad_eval_dataloader(dataloader)
+            self._ldet_eval_guard.watch(dataloader, self.lightning_module)  # type: ignore[attr-defined]
+            return dataloader
         if trainer.state.stage == RunningStage.TRAINING:
             # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
             # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
@@ -253,36 +256,18 @@ class DeterministicStrategyMixin:
         return dataloader
 
 
-class _CleanExitLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, but each worker destroys its gloo group before it exits.
-
-    Multiprocessing workers leave through ``os._exit``, past any ``atexit`` hook (see
-    :func:`_destroy_gloo_group_at_exit`).
-    """
-
-    @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        _destroy_gloo_group()
-
-
 class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` with deterministic seeding and backends.
 
     Registered as ``ddp_deterministic`` (popen), ``ddp_spawn_deterministic``, ``ddp_fork_deterministic`` and
-    ``ddp_notebook_deterministic``. All ``DDPStrategy`` arguments are accepted. Spawned or forked workers destroy
-    their process group before exiting (a clean exit under gloo).
+    ``ddp_notebook_deterministic``. All ``DDPStrategy`` arguments are accepted. Ranks exit cleanly under gloo, die
+    with the process that started them, and forked ranks do not hang in OpenMP (see
+    :mod:`~lightning_determinism.launchers`).
 
     Example:
         >>> DeterministicDDPStrategy(seed=1, start_method="fork").base_seed is None  # known once set up
         True
     """
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is _MultiProcessingLauncher:
-            self._launcher = _CleanExitLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
 
 class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import lightning as L
 import pytest
@@ -91,7 +92,8 @@ def test_warn_mode_warns_once(recorded):
     [
         ({"mode": "replay"}, "`mode` must be 'record' or 'compare', got 'replay'"),
         ({"steps": 0}, "`steps` must be a positive int, got 0"),
-        ({"rtol": -1.0}, "`rtol` must be a float >= 0, got -1.0"),
+        ({"rtol": -1.0}, "`rtol` must be a finite float >= 0, got -1.0"),
+        ({"atol": float("nan")}, "`atol` must be a finite float >= 0, got nan"),
         ({"on_mismatch": "ignore"}, "`on_mismatch` must be 'raise' or 'warn'"),
     ],
 )
@@ -104,7 +106,7 @@ def test_cli_compare_equal_different_and_plot(recorded, tmp_path, capsys):
     perturbed = tmp_path / "perturbed.json"
     run([ScaleGrad(1, "net.2.weight"), NumericalBaseline(perturbed, steps=5)])
     assert cli(["compare", str(recorded), str(recorded)]) == 0
-    assert "equal within" in capsys.readouterr().out
+    assert "bitwise identical: 5 steps" in capsys.readouterr().out
     plot = tmp_path / "out.png"
     assert cli(["compare", str(recorded), str(perturbed), "--plot", str(plot)]) == 1
     out = capsys.readouterr().out
@@ -179,3 +181,134 @@ def test_ddp_vs_fsdp_on_gpu(tmp_path):  # pragma: no cover - needs CUDA
             enable_checkpointing=False,
         )
         trainer.fit(Small())
+
+
+def _with_nan(recorded, tmp_path, name, step=2, quantity="loss"):
+    data = json.loads(recorded.read_text())
+    data["steps"][step][quantity] = float("nan")
+    path = tmp_path / name
+    path.write_text(json.dumps(data))  # json writes NaN, as NumericalBaseline would for a NaN loss
+    return path
+
+
+def test_cli_nan_is_never_equal_unless_asked(recorded, tmp_path, capsys):
+    a, b = _with_nan(recorded, tmp_path, "a.json"), _with_nan(recorded, tmp_path, "b.json")
+    assert cli(["compare", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "non-finite: step 2, loss: nan in A, nan in B" in out
+    assert "first divergence: step 2, loss: nan vs nan (a non-finite value is never equal" in out
+    assert cli(["compare", str(a), str(b), "--nonfinite-equal"]) == 0
+    assert "equal within" in capsys.readouterr().out
+    # One NaN: the verdict and the table both say so (the max diff is nan, not 0).
+    assert cli(["compare", str(recorded), str(b)]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("   2 "))
+    assert "nan" in row.split()[3:5]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--rtol", "-1"], "argument --rtol: must be a finite number >= 0, got '-1'"),
+        (["--atol", "nan"], "argument --atol: must be a finite number >= 0, got 'nan'"),
+        (["--rtol", "abc"], "argument --rtol: must be a finite number >= 0, got 'abc'"),
+        (["--plot", "/nonexistent/dir/x.png"], "the directory /nonexistent/dir does not exist"),
+        (["--plot", "OUT.txt"], "format 'txt' is not one matplotlib writes"),
+        (["--plot", "."], "is a directory"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_cli_every_bad_argument_exits_2_with_one_line(recorded, tmp_path, capsys, extra, message):
+    assert cli(["compare", str(recorded), str(recorded), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        f"lightning-determinism: error: {captured.err.split('error: ')[1].strip()}"
+    ]
+    assert message in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""  # refused before comparing anything
+
+
+def test_cli_a_directory_instead_of_a_file(recorded, tmp_path, capsys):
+    assert cli(["compare", str(recorded), str(tmp_path)]) == 2
+    assert "is a directory, not a baseline file" in capsys.readouterr().err
+    assert cli(["report", str(tmp_path)]) == 2
+    assert cli([]) == 2 and "required: command" in capsys.readouterr().err
+
+
+def test_the_figure_says_identical_marks_the_divergence_and_draws_the_tolerance(recorded, tmp_path):
+    from lightning_determinism._compare_plot import make_figure
+    from lightning_determinism.baseline_file import compare_baselines, load_baseline
+
+    data = load_baseline(recorded)
+    fig = make_figure(compare_baselines(data, data, 1e-4, 1e-6), "a", "b", 1e-4, 1e-6)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "bitwise identical" in texts
+    perturbed = tmp_path / "perturbed.json"
+    run([ScaleGrad(2, "net.0.weight"), NumericalBaseline(perturbed, steps=5)])
+    fig = make_figure(compare_baselines(data, load_baseline(perturbed), 1e-4, 1e-6), "a", "b", 1e-4, 1e-6)
+    loss_ax, diff_ax = fig.axes
+    assert any("first divergence: step 2" in t.get_text() for t in loss_ax.texts)
+    labels = [line.get_label() for line in diff_ax.lines]
+    assert "rtol = 0.0001" in labels and "atol = 1e-06" in labels
+    ticks = [t for t in diff_ax.get_xticks() if 0 <= t <= 4]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # steps, not 0.5, 1.5
+
+
+def test_compare_mode_says_once_that_the_run_matched(recorded, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        run([NumericalBaseline(recorded, steps=5, mode="compare")])
+    lines = [r.getMessage() for r in caplog.records if "NumericalBaseline:" in r.getMessage()]
+    assert lines == [
+        f"NumericalBaseline: 5 of 5 steps (10 quantities each) matched {recorded} within rtol=0.0001, atol=1e-06"
+    ]
+
+
+def test_report_describes_a_baseline_file_and_a_checkpoint(recorded, tmp_path, capsys):
+    assert cli(["report", str(recorded)]) == 0
+    out = capsys.readouterr().out
+    assert "NumericalBaseline file" in out and "steps_recorded" in out and "recorded when it was written" in out
+    assert re.search(r"^base_seed\s+2$", out, re.M)  # the seed of the run that wrote it, not this process's
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt_dir = tmp_path / "ckpt"
+    trainer = quiet_trainer(
+        DeterministicSingleDeviceStrategy(seed=31),
+        1,
+        max_steps=3,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+    )
+    trainer.fit(Small())
+    assert cli(["report", str(ckpt_dir / "last.ckpt"), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["base_seed"] == 31 and described["world_size"] == 1 and described["global_step"] == 3
+    assert described["report"]["deterministic_algorithms"] is True
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint")
+    assert cli(["report", str(junk)]) == 2
+    assert "not a readable checkpoint" in capsys.readouterr().err
+
+
+def test_the_command_keeps_its_exit_codes_in_a_shell_script(recorded, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = shutil.which("lightning-determinism", path=str(Path(sys.executable).parent))
+    assert command is not None, "the console script is installed with the package"
+    a, b = _with_nan(recorded, tmp_path, "a.json"), _with_nan(recorded, tmp_path, "b.json")
+    script = tmp_path / "check.sh"
+    script.write_text(
+        f"""
+"{command}" compare "{recorded}" "{recorded}" > /dev/null; echo "equal $?" > {tmp_path}/codes.1 &
+"{command}" compare "{a}" "{b}" > /dev/null; echo "nan $?" > {tmp_path}/codes.2 &
+"{command}" compare "{recorded}" "{recorded}" --rtol -1 2> {tmp_path}/err.txt; echo "bad $?" > {tmp_path}/codes.3 &
+wait
+"""
+    )
+    subprocess.run(["bash", str(script)], check=True, timeout=300)
+    codes = [(tmp_path / f"codes.{i}").read_text().split() for i in (1, 2, 3)]
+    assert codes == [["equal", "0"], ["nan", "1"], ["bad", "2"]]
+    assert (tmp_path / "err.txt").read_text().count("\n") == 1

@@ -88,3 +88,17 @@ def test_size_of_the_entry(first):
     size = checkpoint_rng_size(checkpoint)
     assert 5_000 < size < 50_000  # python (625 x 8 B) + numpy (624 x 8 B) + torch CPU (5056 B) per rank
     assert RNGStateCheckpoint().state_key == "RNGStateCheckpoint"
+
+
+def test_a_checkpoint_from_another_base_seed_warns_naming_both(tmp_path, first):
+    def other_seed(checkpoint):
+        checkpoint[CHECKPOINT_KEY]["base_seed"] = 99
+
+    path = _rewrite(first, tmp_path, other_seed)
+    with pytest.warns(DeterminismWarning, match=r"base seed 99, but this run's base seed is 3.*Resume with seed=99"):
+        _fit(tmp_path, "resumed", 2, path)
+
+
+def test_the_checkpoint_records_the_report_of_the_run(first):
+    saved = torch.load(first, weights_only=True)[CHECKPOINT_KEY]
+    assert saved["report"]["base_seed"] == 3 and saved["report"]["deterministic_algorithms"] is True

@@ -198,3 +198,19 @@ def test_teardown_keeps_a_seed_the_user_set(tmp_path):
     )
     trainer.fit(_EnvModule())
     assert os.environ["PL_GLOBAL_SEED"] == "1234"
+
+
+def test_every_name_the_docs_use_imports_from_the_top_level():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    imported = set()
+    for names in re.findall(r"from lightning_determinism import ([^\n`#]+)", text):
+        imported |= {n.strip(" ()") for n in names.split(",") if n.strip(" ()")}
+    public = {n for n in re.findall(r"`([A-Z][A-Za-z]+)`", text) if n in dir(lightning_determinism)}
+    for name in sorted(imported | public | {"BaselineMismatch", "tensor_fingerprints", "Topology"}):
+        assert hasattr(lightning_determinism, name), name
+        assert name in lightning_determinism.__all__, name
+    assert lightning_determinism.__all__ == sorted(lightning_determinism.__all__)

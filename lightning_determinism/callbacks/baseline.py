@@ -6,7 +6,7 @@ a stated tolerance *before* comparing its throughput or memory. A throughput ran
 have diverged.
 
 File format (JSON): ``{"format": 1, "world_size", "steps": [{"step", "loss", "grad_norm", "grad_norms": {name: x},
-"param_norms": {name: x}, "param_fingerprints": {name: sha256}}, ...]}``.
+"param_norms": {name: x}, "param_fingerprints": {name: sha256}}, ...], "report": determinism_report() of rank 0}``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,21 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism.baseline_file import first_mismatch, load_baseline
+from lightning_determinism.backends import determinism_report
+from lightning_determinism.baseline_file import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    FORMAT,
+    first_mismatch,
+    load_baseline,
+    quantities,
+)
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.fingerprint import fingerprint
-
-FORMAT = 1
-# float32, one process vs DDP on the same global batch: the gradient all-reduce sums in another order (relative
-# error ~1e-7 per step), which a few optimizer steps amplify; 1e-4 relative leaves two orders of magnitude for that
-# while a real bug (a missing all-reduce, a wrong batch, a different dropout mask) moves values by 1e-2 or more.
-DEFAULT_RTOL = 1e-4
-DEFAULT_ATOL = 1e-6
 
 
 class BaselineMismatch(RuntimeError):
@@ -56,9 +58,14 @@ class NumericalBaseline(Callback):
         path: the JSON file (written by rank 0 in ``"record"`` mode, read in ``"compare"`` mode).
         steps: how many steps to record or compare.
         mode: ``"record"`` or ``"compare"``.
-        rtol: relative tolerance for ``"compare"`` (default ``1e-4``, see the module notes).
+        rtol: relative tolerance for ``"compare"`` (default ``1e-4``, see docs/divergence.md).
         atol: absolute tolerance for ``"compare"`` (default ``1e-6``).
         on_mismatch: ``"raise"`` (:class:`BaselineMismatch`) or ``"warn"`` (a ``DeterminismWarning``, once).
+        nonfinite_equal: count identical NaN/``inf`` values on both sides as equal (by default a non-finite value
+            is always a mismatch).
+
+    In ``"compare"`` mode a run that matches says so once, on rank 0: how many steps and quantities matched within
+    which tolerance.
 
     The loss is the mean of the ranks' losses (one process on the global batch == DDP on its shards); gradient
     norms are taken after DDP's all-reduce, just before the optimizer step; parameter norms and fingerprints just
@@ -77,6 +84,7 @@ class NumericalBaseline(Callback):
         rtol: float = DEFAULT_RTOL,
         atol: float = DEFAULT_ATOL,
         on_mismatch: Literal["raise", "warn"] = "raise",
+        nonfinite_equal: bool = False,
     ) -> None:
         if mode not in ("record", "compare"):
             raise ValueError(f"`mode` must be 'record' or 'compare', got {mode!r}")
@@ -85,15 +93,17 @@ class NumericalBaseline(Callback):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"`steps` must be a positive int, got {steps!r}")
         for name, value in (("rtol", rtol), ("atol", atol)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"`{name}` must be a float >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"`{name}` must be a finite float >= 0, got {value!r}")
         self.path = Path(path)
         self.steps = steps
         self.mode = mode
         self.rtol = float(rtol)
         self.atol = float(atol)
         self.on_mismatch = on_mismatch
+        self.nonfinite_equal = bool(nonfinite_equal)
         self.records: list[dict[str, Any]] = []
+        self._mismatched_steps: list[int] = []
         self._reference: list[dict[str, Any]] | None = None
         self._current: dict[str, Any] = {}
         self._warned = False
@@ -101,6 +111,7 @@ class NumericalBaseline(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.records = []
+        self._mismatched_steps = []
         if self.mode == "compare":
             self._reference = load_baseline(self.path)["steps"]
 
@@ -146,11 +157,25 @@ class NumericalBaseline(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode == "record" and 0 < len(self.records) < self.steps:
             self._write(trainer)  # the run was shorter than `steps`
+        if self.mode == "compare" and self._reference is not None:
+            compared = min(len(self.records), len(self._reference))
+            per_step = len(quantities(self._reference[0], self._reference[0])) if self._reference else 0
+            matched = compared - len(self._mismatched_steps)
+            rank_zero_info(
+                f"NumericalBaseline: {matched} of {compared} steps ({per_step} quantities each) matched {self.path}"
+                f" within rtol={self.rtol:g}, atol={self.atol:g}"
+                + (f"; steps {self._mismatched_steps} did not" if self._mismatched_steps else "")
+            )
 
     def _write(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"format": FORMAT, "world_size": trainer.world_size, "steps": self.records}
+            payload = {
+                "format": FORMAT,
+                "world_size": trainer.world_size,
+                "steps": self.records,
+                "report": determinism_report(),
+            }
             self.path.write_text(json.dumps(payload, indent=1))
 
     def _compare(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
@@ -158,14 +183,21 @@ class NumericalBaseline(Callback):
         step = record["step"]
         if step >= len(self._reference):
             return
-        found = first_mismatch(self._reference[step], record, self.rtol, self.atol)
+        found = first_mismatch(self._reference[step], record, self.rtol, self.atol, self.nonfinite_equal)
         if found is None:
             return
+        self._mismatched_steps.append(step)
         name, want, got = found
         diff = abs(want - got) if want is not None and got is not None else float("nan")
+        finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (want, got))
+        why = (
+            f"difference {diff:.3e}; rtol={self.rtol:g}, atol={self.atol:g}"
+            if finite
+            else "a non-finite value never matches; nonfinite_equal=True accepts identical ones"
+        )
         message = (
             f"[rank: {trainer.global_rank}] step {step}: {name} is {got!r}, the baseline {self.path} has {want!r}"
-            f" (difference {diff:.3e}; rtol={self.rtol:g}, atol={self.atol:g})"
+            f" ({why})"
         )
         if self.on_mismatch == "raise":
             raise BaselineMismatch(message)
@@ -174,4 +206,4 @@ class NumericalBaseline(Callback):
             warnings.warn(message, DeterminismWarning, stacklevel=2)
 
 
-__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "BaselineMismatch", "NumericalBaseline"]
+__all__ = ["BaselineMismatch", "NumericalBaseline"]

@@ -24,6 +24,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
@@ -115,6 +116,7 @@ class RNGStateCheckpoint(Callback):
             "base_seed": -1 if base is None else int(base),
             "global_step": int(trainer.global_step),
             "ranks": ranks,
+            "report": determinism_report(),  # flags, versions, seeds: what `lightning-determinism report` shows
         }
 
     @override
@@ -168,9 +170,23 @@ class RNGStateCheckpoint(Callback):
             )
             seed_all(derive_seed(int(base or 0), "resume", step, rank))
             return
+        self._warn_on_other_seed(saved)
         entry = saved["ranks"][rank]
         restore_rng_state(entry["rng"])
         self._verify(saved, rank)
+
+    def _warn_on_other_seed(self, saved: dict[str, Any]) -> None:
+        stored = saved.get("base_seed", -1)
+        current = current_seeds()["base_seed"]
+        if stored is None or stored < 0 or current is None or int(stored) == int(current):
+            return
+        rank_zero_warn(
+            f"The checkpoint was written by a run with base seed {stored}, but this run's base seed is {current}: the"
+            " RNG states saved in the checkpoint are restored, while everything derived from the base seed (worker"
+            f" and per-sample seeds, the sampler's shuffle) follows {current}, so this is not the continuation of the"
+            f" saved run. Resume with seed={stored} (or seed_everything({stored})) to continue it bitwise.",
+            category=DeterminismWarning,
+        )
 
     def _verify(self, saved: dict[str, Any], rank: int) -> None:
         restored = _digest(capture_rng_state())

@@ -2,6 +2,7 @@
 
 import json
 import math
+from datetime import timedelta
 from functools import partial
 
 import pytest
@@ -9,6 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_determinism import DeterministicDDPStrategy, DistributedPerplexity
 from tests.helpers import run_distributed
+from tests.lightning_models import PerplexityModule
 from tests.test_perplexity import make, reference
 
 pytestmark = pytest.mark.distributed
@@ -108,3 +110,30 @@ def test_997_samples_give_the_same_bits_on_1_2_3_4_processes(tmp_path, compile):
         run_distributed(_evaluate_shard, tmp_path, out, batch_size, compile, world_size=world_size)
         for rank in range(world_size):
             assert tuple(json.loads((out / f"rank{rank}.json").read_text())) == single, (world_size, rank)
+
+
+class _StepSyncModule(PerplexityModule):
+    """Logs a per-step synced value in validation: a collective on every step."""
+
+    def __init__(self, out_dir, how):
+        super().__init__(out_dir, partial(DistributedPerplexity, dist_sync_on_step=how == "metric"), n=9)
+        self.how = how
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"])
+        if self.how == "log":
+            self.log("val/step_ppl", self.val_ppl(logits, batch["labels"]), on_step=True, sync_dist=True)
+        else:
+            self.val_ppl(logits, batch["labels"])
+
+
+@pytest.mark.parametrize("how", ["log", "metric"])
+def test_per_step_collectives_with_uneven_batches_are_refused_not_hung(tmp_path, how):
+    from tests.lightning_models import quiet_trainer
+
+    # 9 samples, batch size 2 (PerplexityModule's loader), 2 ranks: 5 and 4 samples, 3 and 2 batches.
+    # A 30 s collective timeout: should the guard fail, the test fails instead of hanging.
+    strategy = DeterministicDDPStrategy(seed=0, start_method="fork", timeout=timedelta(seconds=30))
+    trainer = quiet_trainer(strategy, 2)
+    with pytest.raises(Exception, match=r"syncs across ranks on every evaluation step.*rank 0: 3, rank 1: 2"):
+        trainer.validate(_StepSyncModule(str(tmp_path), how))

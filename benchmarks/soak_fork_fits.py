@@ -1,0 +1,184 @@
+"""Soak: many consecutive 2-rank fork fits in one process, each with validation (a synced metric and a synced
+per-epoch log), checkpoints and 2 data-loader workers per rank, each under a timeout.
+
+A hang was reported once in about 27 such fits (rank 0 waiting in torchmetrics' ``gather_all_tensors`` at the end
+of the sanity check, rank 1 never arriving). This script looks for it: every rank arms ``faulthandler`` to dump
+its Python stacks if its fit outlives the timeout, and a watchdog in the main process kills the ranks of a hung fit
+and goes on. It prints the number of clean fits, the hangs and where each rank was.
+
+    python benchmarks/soak_fork_fits.py [--runs 100] [--timeout 120] [--out soak-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_determinism import DeterministicDDPStrategy, DistributedPerplexity, WorkerSeedCallback  # noqa: E402
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(50, (n, 9), generator=torch.Generator().manual_seed(n))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        ids = self.ids[i].clone()
+        if torch.rand(()) < 0.2:  # a random augmentation, drawn in the worker
+            ids[0] = 0
+        return ids
+
+
+class _Dump:
+    """A worker_init_fn: each data-loader worker dumps its stacks too if it is still alive after the timeout."""
+
+    def __init__(self, dump: str, timeout: float = 60.0) -> None:
+        self.dump, self.timeout = dump, timeout
+
+    def __call__(self, worker_id: int) -> None:
+        handle = open(Path(self.dump) / f"worker-{os.getpid()}.txt", "w")  # noqa: SIM115
+        faulthandler.dump_traceback_later(self.timeout, exit=True, file=handle)
+
+
+class LM(L.LightningModule):
+    def __init__(self, dump: str, timeout: float) -> None:
+        super().__init__()
+        self.dump, self.timeout = dump, timeout
+        self.embed = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50)
+        self.val_ppl = DistributedPerplexity()
+
+    def setup(self, stage: str) -> None:
+        # In each rank: dump every thread's stack if this fit is still running after `timeout`.
+        handle = open(Path(self.dump) / f"rank{self.global_rank}.txt", "w")  # noqa: SIM115  (kept open for the dump)
+        faulthandler.dump_traceback_later(self.timeout, exit=False, file=handle)
+
+    def teardown(self, stage: str) -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        logits = self(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        self.log("val/loss", loss, sync_dist=True)
+        self.val_ppl.update(logits, batch[:, 1:])
+        self.log("val/ppl", self.val_ppl)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Tokens(40), batch_size=4, shuffle=True, num_workers=2, worker_init_fn=_Dump(self.dump))
+
+    def val_dataloader(self) -> DataLoader:
+        # 7 and 6 samples per rank: uneven batches
+        return DataLoader(Tokens(13), batch_size=4, num_workers=2, worker_init_fn=_Dump(self.dump))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def one_fit(run: int, out: Path, timeout: float) -> tuple[str, float]:
+    dump = out / f"run{run:04d}"
+    dump.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        strategy=DeterministicDDPStrategy(seed=run, start_method="fork"),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[WorkerSeedCallback(), ModelCheckpoint(dirpath=dump / "ckpt", save_last=True)],
+    )
+    hung = threading.Event()
+
+    def watchdog() -> None:
+        if finished.wait(timeout + 15):
+            return
+        hung.set()
+        for pid in _descendants(os.getpid()):  # the ranks and their data-loader workers
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    finished = threading.Event()
+    threading.Thread(target=watchdog, daemon=True).start()
+    start = time.perf_counter()
+    try:
+        trainer.fit(LM(str(dump), timeout))
+        outcome = "clean"
+    except Exception as err:  # noqa: BLE001  (a soak records every way a fit can end)
+        outcome = "hung" if hung.is_set() else f"failed: {type(err).__name__}: {str(err)[:200]}"
+    finally:
+        finished.set()
+    return outcome, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--out", default="soak-out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    results: dict[str, int] = {}
+    durations = []
+    for run in range(args.runs):
+        outcome, seconds = one_fit(run, out, args.timeout)
+        durations.append(seconds)
+        key = outcome if not outcome.startswith("failed") else outcome
+        results[key] = results.get(key, 0) + 1
+        if outcome != "clean":
+            dumps = sorted((out / f"run{run:04d}").glob("*.txt"))
+            stacks = "\n".join(f"== {p.name}\n{p.read_text()[-4000:]}" for p in dumps if p.stat().st_size)
+            print(f"run {run}: {outcome}\n{stacks}", flush=True)
+        elif run % 10 == 9:
+            print(f"{run + 1} fits, {results.get('clean', 0)} clean", flush=True)
+    print(f"\n{args.runs} consecutive 2-rank fork fits (validation, checkpoints, 2 workers per rank):")
+    for outcome, count in sorted(results.items()):
+        print(f"  {outcome}: {count}")
+    print(f"  median fit {sorted(durations)[len(durations) // 2]:.2f} s, slowest {max(durations):.2f} s")
+    sys.exit(0 if results.get("clean", 0) == args.runs else 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    main()

@@ -1,0 +1,121 @@
+"""The picture ``lightning-determinism compare --plot`` draws: both loss curves and the per-step divergence.
+
+Integer steps, the tolerance drawn as a line, the first divergent step marked, non-finite values marked where they
+occur, and "bitwise identical" written when the runs are.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class PlotError(ValueError):
+    """The plot cannot be drawn where asked: the message names the path or the missing package."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("--plot needs matplotlib: pip install 'lightning-determinism[plot]'") from None
+    return plt
+
+
+def check_plot_path(path: str) -> None:
+    """Refuse, before any work, a plot path that cannot be written or whose format matplotlib cannot draw.
+
+    Raises:
+        PlotError: naming the path and what is wrong with it.
+    """
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    target = Path(path)
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = target.suffix.lower().lstrip(".")
+    if target.is_dir():
+        raise PlotError(f"--plot {path}: is a directory; give a file name such as {target / 'compare.png'}")
+    if suffix not in formats:
+        raise PlotError(
+            f"--plot {path}: format {suffix or '(none)'!r} is not one matplotlib writes; use one of {formats}"
+        )
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise PlotError(f"--plot {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise PlotError(f"--plot {path}: the directory {parent} is not writable")
+
+
+def draw(result: dict[str, Any], a: str, b: str, out: str, rtol: float, atol: float) -> None:
+    """Draw the comparison ``result`` of files ``a`` and ``b`` into ``out``."""
+    fig = make_figure(result, a, b, rtol, atol)
+    fig.savefig(out)
+    _pyplot().close(fig)
+
+
+def make_figure(result: dict[str, Any], a: str, b: str, rtol: float, atol: float) -> Any:
+    """The figure of :func:`draw`, not yet saved (tests look into it)."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    rows = result["rows"]
+    steps = [row["step"] for row in rows]
+    fig, (ax_loss, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax_loss.plot(steps, [row["loss_a"] for row in rows], "o-", label=a)
+    ax_loss.plot(steps, [row["loss_b"] for row in rows], "x--", label=b)
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(fontsize="small")
+    ax_diff.set_xlabel("step")
+    ax_diff.set_ylabel("max difference over all quantities")
+    ax_diff.xaxis.set_major_locator(MaxNLocator(integer=True))
+    first = result["first"]
+    bad_steps = sorted({entry["step"] for entry in result["nonfinite"]})
+    identical = all(row["max_abs"] == 0.0 and row["bitwise_params"] for row in rows) and not bad_steps
+    if identical:
+        ax_diff.text(0.5, 0.5, "bitwise identical", ha="center", va="center", fontsize=16, transform=ax_diff.transAxes)
+        ax_diff.set_yticks([])
+    else:
+        finite_rows = [r for r in rows if math.isfinite(r["max_abs"]) and math.isfinite(r["max_rel"])]
+        positive = [v for r in finite_rows for v in (r["max_abs"], r["max_rel"]) if v > 0]
+        floor = min([*positive, atol or 1.0, rtol or 1.0]) / 10
+        for key, marker, label in (("max_rel", "s-", "relative"), ("max_abs", "^-", "absolute")):
+            zero = any(r[key] == 0 for r in finite_rows)  # a log scale has no 0: say where it is drawn
+            ax_diff.semilogy(
+                [r["step"] for r in finite_rows],
+                [max(r[key], floor) for r in finite_rows],
+                marker,
+                label=f"max {label} difference" + (f" (0 drawn at {floor:.0e})" if zero else ""),
+            )
+        if rtol > 0:
+            ax_diff.axhline(rtol, color="tab:blue", linestyle=":", label=f"rtol = {rtol:g}")
+        if atol > 0:
+            ax_diff.axhline(atol, color="tab:orange", linestyle=":", label=f"atol = {atol:g}")
+        for step in bad_steps:
+            ax_diff.axvline(step, color="black", alpha=0.3, linewidth=6)
+        if bad_steps:
+            ax_diff.plot([], [], color="black", alpha=0.3, linewidth=6, label="NaN or inf at this step")
+        ax_diff.legend(fontsize="x-small")
+    if first is not None:
+        for ax in (ax_loss, ax_diff):
+            ax.axvline(first["step"], color="red", linestyle="--")
+        ax_loss.annotate(
+            f"first divergence: step {first['step']}\n{first['name']}",
+            xy=(first["step"], 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(5, -5),
+            textcoords="offset points",
+            va="top",
+            color="red",
+            fontsize="small",
+        )
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["PlotError", "check_plot_path", "draw", "make_figure"]

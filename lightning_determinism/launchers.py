@@ -1,0 +1,162 @@
+"""How the deterministic strategies start their ranks: clean exits, no orphans, no forked OpenMP hang.
+
+Lightning's own launchers, with three things added:
+
+- **clean gloo exits**: a rank destroys its gloo process group before it exits; otherwise gloo's threads are
+  sometimes torn down mid-flight and the process dies of ``terminate called without an active exception``.
+- **no orphans**: on Linux every rank a launcher starts (fork, spawn, or the popen launcher's child scripts) is
+  killed when the process that started it dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``). Killing a run's main process
+  no longer leaves ranks behind, blocked in a collective until someone finds them with ``kill -9``.
+- **no forked OpenMP hang**: GNU OpenMP (PyTorch's intra-op thread pool on Linux) cannot be used after ``fork()``
+  once the parent has started its threads: the child's first parallel region waits forever. Plain Lightning's
+  ``ddp_fork`` hangs the same way. When the parent already runs threads and a forked rank would use more than one
+  intra-op thread, that rank runs with one thread instead, with a warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_determinism.errors import DeterminismWarning
+
+PARENT_PID_ENV = "LDET_LAUNCHER_PID"
+"""Set for the popen launcher's child scripts: the pid of the rank-0 process that started them."""
+
+_PR_SET_PDEATHSIG = 1
+_EXIT_HOOK_REGISTERED = False
+
+
+def destroy_gloo_group() -> None:
+    """Destroy the default process group if it is a live gloo one."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """Destroy a live gloo group when the interpreter exits (popen and torchrun ranks); registered once."""
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED:
+        atexit.register(destroy_gloo_group)
+        _EXIT_HOOK_REGISTERED = True
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel kill this process when its parent dies; exit now if the parent is already gone.
+
+    Linux only (``prctl``); elsewhere nothing happens and ``False`` is returned.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # the parent died before the request was in place
+        os._exit(1)
+    return True
+
+
+def running_threads() -> int:
+    """How many threads this process runs now (Linux; 1 where it cannot be told)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _intended_threads(num_processes: int) -> int:
+    """The intra-op threads Lightning would give each rank (``OMP_NUM_THREADS`` or the CPUs shared out)."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env is not None and env.isdigit():
+        return max(1, int(env))
+    return _suggested_max_num_threads(num_processes)
+
+
+class CleanExitLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher whose ranks exit cleanly, die with the main process and do not hang."""
+
+    _ldet_parent_pid: int = 0
+    _ldet_single_thread: bool = False
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._ldet_parent_pid = os.getpid()  # read by the ranks: forked memory, or pickled with the launcher
+        threads = running_threads()
+        self._ldet_single_thread = (
+            self._start_method == "fork" and threads > 1 and _intended_threads(self._strategy.num_processes) > 1  # type: ignore[attr-defined]
+        )
+        if self._ldet_single_thread:
+            warnings.warn(
+                f"ddp_fork: this process already runs {threads} threads (torch's OpenMP pool among them) and GNU"
+                " OpenMP hangs in a forked child that uses more than one thread; each forked rank runs with one"
+                " intra-op thread. For more threads per rank use a spawn or popen strategy"
+                " (ddp_spawn_deterministic, ddp_deterministic), or fork before the first multi-threaded torch call.",
+                DeterminismWarning,
+                stacklevel=4,  # the user's trainer.fit(...) line
+            )
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        die_with_parent(self._ldet_parent_pid)
+        if self._ldet_single_thread:
+            torch.set_num_threads(1)
+            os.environ["OMP_NUM_THREADS"] = "1"  # Lightning then leaves the thread count alone
+        super()._wrapping_function(*args, **kwargs)
+        destroy_gloo_group()
+
+
+class ParentTrackingScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher whose child scripts learn the pid of the process that started them."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        os.environ[PARENT_PID_ENV] = str(os.getpid())
+        try:
+            super()._call_children_scripts()
+        finally:
+            os.environ.pop(PARENT_PID_ENV, None)
+
+
+def adopt_parent_from_env() -> None:
+    """In a popen child script: die with the rank-0 process that started it (:class:`ParentTrackingScriptLauncher`)."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is not None and parent.isdigit():
+        die_with_parent(int(parent))
+
+
+def replace_launcher(launcher: Any, strategy: Any) -> Any:
+    """The package's launcher in place of Lightning's own spawn/fork or popen launcher; anything else unchanged."""
+    if type(launcher) is _MultiProcessingLauncher:
+        return CleanExitLauncher(strategy, start_method=launcher._start_method)
+    if type(launcher) is _SubprocessScriptLauncher:
+        return ParentTrackingScriptLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+    return launcher
+
+
+__all__ = [
+    "PARENT_PID_ENV",
+    "CleanExitLauncher",
+    "ParentTrackingScriptLauncher",
+    "adopt_parent_from_env",
+    "destroy_gloo_group",
+    "destroy_gloo_group_at_exit",
+    "die_with_parent",
+    "replace_launcher",
+    "running_threads",
+]
