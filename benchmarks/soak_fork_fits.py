@@ -2,9 +2,9 @@
 per-epoch log), checkpoints and 2 data-loader workers per rank, each under a timeout.
 
 A hang was reported once in about 27 such fits (rank 0 waiting in torchmetrics' ``gather_all_tensors`` at the end
-of the sanity check, rank 1 never arriving). This script looks for it: every rank arms ``faulthandler`` to dump
-its Python stacks if its fit outlives the timeout, and a watchdog in the main process kills the ranks of a hung fit
-and goes on. It prints the number of clean fits, the hangs and where each rank was.
+of the sanity check, rank 1 never arriving). This script looks for it: a watchdog in the main process records
+what every rank and data-loader worker of a fit that outlives the timeout is doing (kernel wait channel and, with
+gdb, the C stacks), kills them and goes on. It prints the number of clean fits, the hangs and where each rank was.
 
     python benchmarks/soak_fork_fits.py [--runs 100] [--timeout 120] [--out soak-out]
 """
@@ -12,8 +12,9 @@ and goes on. It prints the number of clean fits, the hangs and where each rank w
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -45,32 +46,12 @@ class Tokens(Dataset):
         return ids
 
 
-class _Dump:
-    """A worker_init_fn: each data-loader worker dumps its stacks too if it is still alive after the timeout."""
-
-    def __init__(self, dump: str, timeout: float = 60.0) -> None:
-        self.dump, self.timeout = dump, timeout
-
-    def __call__(self, worker_id: int) -> None:
-        handle = open(Path(self.dump) / f"worker-{os.getpid()}.txt", "w")  # noqa: SIM115
-        faulthandler.dump_traceback_later(self.timeout, exit=True, file=handle)
-
-
 class LM(L.LightningModule):
-    def __init__(self, dump: str, timeout: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.dump, self.timeout = dump, timeout
         self.embed = nn.Embedding(50, 16)
         self.head = nn.Linear(16, 50)
         self.val_ppl = DistributedPerplexity()
-
-    def setup(self, stage: str) -> None:
-        # In each rank: dump every thread's stack if this fit is still running after `timeout`.
-        handle = open(Path(self.dump) / f"rank{self.global_rank}.txt", "w")  # noqa: SIM115  (kept open for the dump)
-        faulthandler.dump_traceback_later(self.timeout, exit=False, file=handle)
-
-    def teardown(self, stage: str) -> None:
-        faulthandler.cancel_dump_traceback_later()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(ids))
@@ -87,11 +68,11 @@ class LM(L.LightningModule):
         self.log("val/ppl", self.val_ppl)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Tokens(40), batch_size=4, shuffle=True, num_workers=2, worker_init_fn=_Dump(self.dump))
+        return DataLoader(Tokens(40), batch_size=4, shuffle=True, num_workers=2)
 
     def val_dataloader(self) -> DataLoader:
         # 7 and 6 samples per rank: uneven batches
-        return DataLoader(Tokens(13), batch_size=4, num_workers=2, worker_init_fn=_Dump(self.dump))
+        return DataLoader(Tokens(13), batch_size=4, num_workers=2)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -114,6 +95,25 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _stack(pid: int) -> str:
+    """What a process is doing: its parent, kernel wait channel and, where gdb is installed, its C stacks.
+
+    (faulthandler's timer is not used: a process forked while the timer thread runs inherits its lock, and a
+    data-loader worker that touches faulthandler then deadlocks; that would be a hang of the soak's own making.)
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        head = f"pid {pid} ppid {stat[1]} state {stat[0]} wchan {Path(f'/proc/{pid}/wchan').read_text()}"
+    except OSError:
+        return f"pid {pid}: gone"
+    if shutil.which("gdb") is None:
+        return head
+    trace = subprocess.run(
+        ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"], capture_output=True, text=True, timeout=60
+    ).stdout
+    return head + "\n" + "\n".join(line for line in trace.splitlines() if line.startswith(("#", "Thread")))
+
+
 def one_fit(run: int, out: Path, timeout: float) -> tuple[str, float]:
     dump = out / f"run{run:04d}"
     dump.mkdir(parents=True, exist_ok=True)
@@ -130,10 +130,13 @@ def one_fit(run: int, out: Path, timeout: float) -> tuple[str, float]:
     hung = threading.Event()
 
     def watchdog() -> None:
-        if finished.wait(timeout + 15):
+        if finished.wait(timeout):
             return
         hung.set()
-        for pid in _descendants(os.getpid()):  # the ranks and their data-loader workers
+        pids = _descendants(os.getpid())  # the ranks and their data-loader workers
+        for pid in pids:
+            (dump / f"stack-{pid}.txt").write_text(_stack(pid))
+        for pid in pids:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
@@ -143,7 +146,7 @@ def one_fit(run: int, out: Path, timeout: float) -> tuple[str, float]:
     threading.Thread(target=watchdog, daemon=True).start()
     start = time.perf_counter()
     try:
-        trainer.fit(LM(str(dump), timeout))
+        trainer.fit(LM())
         outcome = "clean"
     except Exception as err:  # noqa: BLE001  (a soak records every way a fit can end)
         outcome = "hung" if hung.is_set() else f"failed: {type(err).__name__}: {str(err)[:200]}"

@@ -8,7 +8,12 @@ Every public name the documentation uses can be imported from here.
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.backends import configure_determinism, determinism_report
 from lightning_determinism.baseline_file import BaselineFileError, compare_baselines, load_baseline
-from lightning_determinism.callbacks import NumericalBaseline, RNGStateCheckpoint, WorkerSeedCallback
+from lightning_determinism.callbacks import (
+    NumericalBaseline,
+    PreemptionCheckpoint,
+    RNGStateCheckpoint,
+    WorkerSeedCallback,
+)
 from lightning_determinism.callbacks.baseline import BaselineMismatch
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.fingerprint import fingerprint, tensor_fingerprints
@@ -45,6 +50,7 @@ __all__ = [
     "DistributedPerplexity",
     "GroupInfo",
     "NumericalBaseline",
+    "PreemptionCheckpoint",
     "RNGStateCheckpoint",
     "RNGStatesTracker",
     "Topology",

@@ -6,7 +6,9 @@ Lightning's own launchers, with three things added:
   sometimes torn down mid-flight and the process dies of ``terminate called without an active exception``.
 - **no orphans**: on Linux every rank a launcher starts (fork, spawn, or the popen launcher's child scripts) is
   killed when the process that started it dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``). Killing a run's main process
-  no longer leaves ranks behind, blocked in a collective until someone finds them with ``kill -9``.
+  no longer leaves ranks behind, blocked in a collective until someone finds them with ``kill -9``. A ``SIGTERM`` to
+  the main process of a fork or spawn run is passed on to the ranks, which stop (or checkpoint, with
+  :class:`~lightning_determinism.PreemptionCheckpoint`) as they would under popen.
 - **no forked OpenMP hang**: GNU OpenMP (PyTorch's intra-op thread pool on Linux) cannot be used after ``fork()``
   once the parent has started its threads: the child's first parallel region waits forever. Plain Lightning's
   ``ddp_fork`` hangs the same way. When the parent already runs threads and a forked rank would use more than one
@@ -20,6 +22,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -109,7 +112,24 @@ class CleanExitLauncher(_MultiProcessingLauncher):
                 DeterminismWarning,
                 stacklevel=4,  # the user's trainer.fit(...) line
             )
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        previous = self._forward_sigterm()
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _forward_sigterm(self) -> Any:
+        """In the main process, pass SIGTERM on to the ranks (which checkpoint or stop) instead of dying of it."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def forward(signum: int, frame: Any) -> None:
+            for process in getattr(self, "procs", []):
+                if process.is_alive() and process.pid is not None:
+                    os.kill(process.pid, signum)
+
+        return signal.signal(signal.SIGTERM, forward)
 
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
@@ -117,8 +137,28 @@ class CleanExitLauncher(_MultiProcessingLauncher):
         if self._ldet_single_thread:
             torch.set_num_threads(1)
             os.environ["OMP_NUM_THREADS"] = "1"  # Lightning then leaves the thread count alone
-        super()._wrapping_function(*args, **kwargs)
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except SystemExit as stop:  # a rank asked to stop cleanly (PreemptionCheckpoint): tear down, tell the parent
+            process_idx, trainer, return_queue = args[0], args[1], args[5]
+            if trainer is not None:
+                trainer._teardown()
+            if process_idx == 0:
+                return_queue.put(_Stopped(stop.code))
         destroy_gloo_group()
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
+        if isinstance(worker_output, _Stopped):
+            raise SystemExit(worker_output.code)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
+
+class _Stopped:
+    """What rank 0 sends the main process instead of its results when the ranks exited on purpose."""
+
+    def __init__(self, code: Any) -> None:
+        self.code = code
 
 
 class ParentTrackingScriptLauncher(_SubprocessScriptLauncher):

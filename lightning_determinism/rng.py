@@ -252,6 +252,37 @@ def _numpy_state() -> dict[str, Any]:
     }
 
 
+def capture_cpu_streams() -> dict[str, Any]:
+    """The three global CPU streams (python ``random``, numpy, torch) as checkpoint-safe values.
+
+    Example:
+        >>> state = capture_cpu_streams()
+        >>> a = torch.rand(2)
+        >>> restore_cpu_streams(state)
+        >>> torch.equal(a, torch.rand(2))
+        True
+    """
+    return {"python": _python_state(), "numpy": _numpy_state(), "torch": torch.get_rng_state()}
+
+
+def restore_cpu_streams(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_cpu_streams` (or :func:`capture_rng_state`) returned for the CPU streams.
+
+    Raises:
+        KeyError: naming the first missing key.
+    """
+    for key in ("python", "numpy", "torch"):
+        if key not in state:
+            raise KeyError(f"RNG state misses {key!r}; it has {sorted(state)}")
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["key"], npy["state"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+
+
 def capture_rng_state() -> dict[str, Any]:
     """Every RNG state of this process, as values ``torch.load(weights_only=True)`` accepts.
 
@@ -268,9 +299,7 @@ def capture_rng_state() -> dict[str, Any]:
         True
     """
     return {
-        "python": _python_state(),
-        "numpy": _numpy_state(),
-        "torch": torch.get_rng_state(),
+        **capture_cpu_streams(),
         "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
         "tracker": _TRACKER.get_states(),
         "generators": {f"{name}@{dev}": gen.get_state() for (name, dev), gen in _GENERATORS.items()},
@@ -283,16 +312,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     Raises:
         KeyError: naming the first missing key.
     """
-    for key in ("python", "numpy", "torch"):
-        if key not in state:
-            raise KeyError(f"RNG state misses {key!r}; it has {sorted(state)}")
-    py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
-    npy = state["numpy"]
-    np.random.set_state(
-        (npy["key"], npy["state"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"])
+    restore_cpu_streams(state)
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
@@ -310,8 +330,10 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 __all__ = [
     "DEFAULT_STREAM",
     "RNGStatesTracker",
+    "capture_cpu_streams",
     "capture_rng_state",
     "generator",
     "get_rng_tracker",
+    "restore_cpu_streams",
     "restore_rng_state",
 ]

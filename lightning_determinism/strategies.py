@@ -34,6 +34,7 @@ from lightning_determinism.backends import (
     set_cublas_workspace,
 )
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
+from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
 from lightning_determinism.samplers import UnevenEvalGuard, trainer_of, unpad_eval_dataloader
 from lightning_determinism.seeding import (
     BASE_SEED_ENV,
@@ -248,11 +249,13 @@ class DeterministicStrategyMixin:
             # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
             dataloader = unpad_eval_dataloader(dataloader)
             self._ldet_eval_guard.watch(dataloader, self.lightning_module)  # type: ignore[attr-defined]
-            return dataloader
+            return make_fork_safe(dataloader, trainer)
         if trainer.state.stage == RunningStage.TRAINING:
             # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
             # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
-            _set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+            _set_sampler_epoch(dataloader, next_train_epoch(trainer))
+            # Mid-epoch resume at the index level (see lightning_determinism.resumable).
+            dataloader = make_resumable(dataloader, trainer)
         return dataloader
 
 

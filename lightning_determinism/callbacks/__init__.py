@@ -1,7 +1,8 @@
-"""Lightning callbacks: worker seeding (and, later, RNG-state checkpointing and numerical baselines)."""
+"""Lightning callbacks: worker seeding, RNG state in checkpoints, preemption, numerical baselines."""
 
 from lightning_determinism.callbacks.baseline import NumericalBaseline
+from lightning_determinism.callbacks.preemption import PreemptionCheckpoint
 from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
 from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
 
-__all__ = ["NumericalBaseline", "RNGStateCheckpoint", "WorkerSeedCallback"]
+__all__ = ["NumericalBaseline", "PreemptionCheckpoint", "RNGStateCheckpoint", "WorkerSeedCallback"]

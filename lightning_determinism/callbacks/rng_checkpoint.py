@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.resumable import consumed_batches, loader_positions, set_plan
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
 
@@ -101,12 +103,14 @@ class RNGStateCheckpoint(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        self._check_accumulation(trainer)
         worker_cb = _worker_callback(trainer)
         rng = capture_rng_state()
         local = {
             "rng": rng,
             "digest": _digest(rng),
             "loaders": worker_cb.loader_states() if worker_cb is not None else {},
+            "data": loader_positions(trainer),  # epoch, batches consumed, the epoch's RNG states: mid-epoch resume
         }
         ranks = _all_gather(local)  # every rank takes part; the saving rank writes them all
         base = current_seeds()["base_seed"]
@@ -143,13 +147,48 @@ class RNGStateCheckpoint(Callback):
                 _require(rng, key, f"{CHECKPOINT_KEY}.ranks[{i}].rng")
             _require(entry, "digest", f"{CHECKPOINT_KEY}.ranks[{i}]")
         self._pending = saved
+        same_world = world_size == trainer.world_size
+        data = ranks[trainer.global_rank].get("data") if same_world else None
+        if data is None and _mid_epoch(checkpoint):
+            why = (
+                f"was written by {world_size} ranks and is resumed on {trainer.world_size}"
+                if not same_world
+                else "holds no data position (written before mid-epoch resume was supported)"
+            )
+            rank_zero_warn(
+                f"The checkpoint was written in the middle of an epoch and {why}: the epoch in progress restarts at"
+                " its first batch, as Lightning does, so the resumed run is not the uninterrupted one.",
+                category=DeterminismWarning,
+            )
+        set_plan(trainer, data)  # taken by the training loaders at their first batch
         worker_cb = _worker_callback(trainer)
         if worker_cb is None:
             return
-        if world_size == trainer.world_size:
+        if same_world:
             worker_cb.load_loader_states(ranks[trainer.global_rank].get("loaders", {}))
         else:
             worker_cb.load_loader_states({}, resume_key=int(saved.get("global_step", 0)))
+
+    @staticmethod
+    def _check_accumulation(trainer: pl.Trainer) -> None:
+        """Refuse a checkpoint between the micro-batches of an accumulated step (gradients are not saved)."""
+        fit_loop = getattr(trainer, "fit_loop", None)
+        if fit_loop is None or not trainer.training or trainer.accumulate_grad_batches <= 1:
+            return
+        consumed = consumed_batches(trainer)
+        last = fit_loop.epoch_loop.batch_progress.is_last_batch
+        if consumed % trainer.accumulate_grad_batches == 0 or last:
+            return
+        message = (
+            f"A checkpoint after micro-batch {consumed} of an epoch, within an accumulation over"
+            f" {trainer.accumulate_grad_batches} holds no accumulated gradients, so a run resumed from it cannot be"
+            " the uninterrupted one. Checkpoint after optimizer steps: ModelCheckpoint(every_n_train_steps=...) or"
+            " PreemptionCheckpoint, which both wait for the step to complete."
+        )
+        if trainer.state.status == TrainerStatus.INTERRUPTED:  # saving on an exception: keep the data, warn
+            rank_zero_warn(message, category=DeterminismWarning)
+            return
+        raise RuntimeError(message)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -198,6 +237,12 @@ class RNGStateCheckpoint(Callback):
                 f"[rank: {rank}] RNG states after resume do not match the checkpoint: ranks {wrong} hold another"
                 f" rank's or a foreign state; saved equal-groups {_pattern(expected)}, restored {_pattern(digests)}"
             )
+
+
+def _mid_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether a Lightning checkpoint was written with a training epoch under way."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    return bool(progress) and progress.get("processed", 0) < progress.get("started", 0)
 
 
 def checkpoint_rng_size(checkpoint: dict[str, Any]) -> int:

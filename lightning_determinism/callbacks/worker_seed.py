@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.resumable import next_train_epoch
 from lightning_determinism.seeding import check_seed, derive_seed
 
 
@@ -69,6 +70,8 @@ class _PerSampleGetItems:
     process (``num_workers=0``) and in every worker alike; the epoch lives in shared memory so that persistent
     workers see it change.
     """
+
+    ldet_per_sample = True  # how the resumable loaders recognise per-sample seeding
 
     def __init__(self, dataset: Any, base_seed: int, epoch: torch.Tensor) -> None:
         self.dataset = dataset
@@ -235,8 +238,8 @@ class WorkerSeedCallback(Callback):
                 sampler.generator = self._new_generator(f"{stage}/{index}/sampler", "sampler", stage, index)
                 sampler._ldet_generator = True  # type: ignore[attr-defined]
         if stage == "train":
-            # The epoch about to run; on a resumed run `current_epoch` still lags by one until the loop starts.
-            self._epoch.fill_(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+            # The epoch about to run: a resumed run's, or the loop's (`current_epoch` lags by one until it starts).
+            self._epoch.fill_(next_train_epoch(trainer))
 
         if self.per_sample:
             self._install_per_sample(dataloader)

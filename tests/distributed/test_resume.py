@@ -1,15 +1,17 @@
-"""Bitwise resume: 4 epochs straight == 2 epochs, a new process, 2 more (2 gloo ranks, dropout, shuffled
-DistributedSampler, 2 augmenting workers per rank under WorkerSeedCallback, the deterministic DDP strategy)."""
+"""Bitwise resume from any step: the uninterrupted run against runs resumed in a new process from its checkpoints
+(first, middle and last step of an epoch, the last step of the run), on 1 and 2 gloo ranks, with 0 and 2 workers
+(per-sample seeding, persistent workers), OneCycleLR sized by `estimated_stepping_batches`; preemption by SIGTERM."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_determinism import DeterministicDDPStrategy
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY, RNGStateCheckpoint, _digest
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
@@ -18,97 +20,134 @@ pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 
+# name: (environment, checkpoints to resume from). 2 ranks: 3 steps per epoch, 9 in all; 1 rank: 6 and 18.
+CONFIGS = {
+    "2-ranks-in-process-data": ({"DEVICES": "2", "WORKERS": "0"}, [4, 5, 6, 9]),
+    "2-ranks-persistent-workers": ({"DEVICES": "2", "WORKERS": "2", "PERSAMPLE": "1", "PERSIST": "1"}, [5, 6]),
+    "1-rank-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "1"}, [7, 9, 12, 18]),
+    "1-rank-in-process-data": ({"DEVICES": "1", "WORKERS": "0"}, [3, 12]),
+}
 
-def phase(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+
+def phase(*args, env=None, timeout=CHILD_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=CHILD_TIMEOUT_S,
+        timeout=timeout,
         env=child_env(**(env or {})),
     )
 
 
-def ok(*args: str, env: dict | None = None) -> str:
+def ok(*args, env=None) -> str:
     result = phase(*args, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 
 
-def load(path: Path) -> dict:
-    return torch.load(path, weights_only=True)  # what Lightning does under torch >= 2.6
+def result(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())
 
 
-def bitwise_equal(a: dict, b: dict) -> bool:
-    params = all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
-    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
-    optim = all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-    return params and optim and a["state_dict"].keys() == b["state_dict"].keys()
+def assert_continues(straight: dict, resumed: dict, k: int) -> None:
+    assert resumed["global_step"] == straight["global_step"]
+    later = {step: loss for step, loss in straight["losses"].items() if int(step) > k}
+    assert resumed["losses"] == later  # the logged (synced) loss of every later step, bit for bit
+    for key in ("params", "optimizer", "scheduler"):
+        assert resumed[key] == straight[key], key
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    ok("straight", root / "straight")
-    ok("first", root / "first")
-    ok("resume", root / "resumed", root / "first" / "last.ckpt")
+    for name, (env, steps) in CONFIGS.items():
+        ok("straight", root / name / "straight", env=env)
+        ok("resume", root / name / "resumed", *(root / name / "straight" / f"step={k}.ckpt" for k in steps), env=env)
     return root
 
 
-def test_resumed_run_is_bitwise_the_uninterrupted_one(runs):
-    straight, resumed = load(runs / "straight" / "last.ckpt"), load(runs / "resumed" / "last.ckpt")
-    assert straight["global_step"] == resumed["global_step"] == 20
-    assert bitwise_equal(straight, resumed)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_resuming_from_any_step_is_bitwise_the_uninterrupted_run(runs, name):
+    straight = result(runs / name / "straight")
+    assert len(straight["losses"]) == straight["global_step"] > 0
+    for k in CONFIGS[name][1]:
+        assert_continues(straight, result(runs / name / "resumed" / f"step={k}"), k)
 
 
-def test_persistent_workers_with_per_sample_seeding_resume_bitwise(tmp_path):
-    # Live worker processes cannot be checkpointed; with per_sample=True no sample depends on a worker's stream.
-    env = {"PERSIST": "1", "PERSAMPLE": "1"}
-    ok("straight", tmp_path / "straight", env=env)
-    ok("first", tmp_path / "first", env=env)
-    ok("resume", tmp_path / "resumed", tmp_path / "first" / "last.ckpt", env=env)
-    assert bitwise_equal(load(tmp_path / "straight" / "last.ckpt"), load(tmp_path / "resumed" / "last.ckpt"))
+def test_checkpoints_hold_every_rank_and_load_weights_only(runs):
+    saved = torch.load(runs / "2-ranks-in-process-data" / "straight" / "step=5.ckpt", weights_only=True)
+    entry = saved[CHECKPOINT_KEY]
+    assert entry["world_size"] == 2 and len(entry["ranks"]) == 2
+    assert entry["ranks"][0]["digest"] != entry["ranks"][1]["digest"]
+    data = [rank["data"][0] for rank in entry["ranks"]]
+    assert [(d["epoch"], d["skip"]) for d in data] == [(1, 2), (1, 2)]  # step 5: epoch 1, after its second batch
+    assert data[0]["epoch_start"]["torch"].dtype == torch.uint8
 
 
-def test_checkpoint_holds_every_rank_and_loads_weights_only(runs):
-    saved = load(runs / "first" / "last.ckpt")[CHECKPOINT_KEY]
-    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
-    assert saved["ranks"][0]["digest"] != saved["ranks"][1]["digest"]
-    assert set(saved["ranks"][0]["loaders"]) == {"train/0"}
+def _edited(runs, edit, name):
+    checkpoint = torch.load(runs / "2-ranks-in-process-data" / "straight" / "step=5.ckpt", weights_only=True)
+    edit(checkpoint)
+    path = runs / f"{name}.ckpt"
+    torch.save(checkpoint, path)
+    return path
 
 
-def test_without_rng_state_the_resume_diverges_and_warns(runs):
-    stripped = load(runs / "first" / "last.ckpt")
-    del stripped[CHECKPOINT_KEY]
-    path = runs / "stripped.ckpt"
-    torch.save(stripped, path)
-    output = ok("resume", runs / "resumed-stripped", path)
+def test_without_rng_state_or_data_position_the_resume_warns_and_differs(runs):
+    def no_position(c):
+        for rank in c[CHECKPOINT_KEY]["ranks"]:
+            del rank["data"]  # as written before mid-epoch resume existed
+
+    stripped = _edited(runs, lambda c: c.pop(CHECKPOINT_KEY), "stripped")
+    old = _edited(runs, no_position, "old")
+    env = CONFIGS["2-ranks-in-process-data"][0]
+    output = ok("resume", runs / "edited", stripped, old, env=env)
     assert "The checkpoint holds no RNG state" in output
-    assert not bitwise_equal(load(runs / "straight" / "last.ckpt"), load(runs / "resumed-stripped" / "last.ckpt"))
+    assert "holds no data position (written before mid-epoch resume was supported)" in output
+    straight = result(runs / "2-ranks-in-process-data" / "straight")
+    for name in ("stripped", "old"):
+        resumed = result(runs / "edited" / name)
+        assert resumed["global_step"] == straight["global_step"]
+        assert resumed["params"] != straight["params"]  # the test can tell a wrong resume from a right one
 
 
 def test_swapped_rank_states_are_detected(runs):
-    swapped = load(runs / "first" / "last.ckpt")
-    entry = swapped[CHECKPOINT_KEY]
-    entry["ranks"] = [entry["ranks"][1], entry["ranks"][0]]
-    for i, r in enumerate(entry["ranks"]):
-        r["digest"] = json.dumps(i)  # digests kept in saving order: restoring rank r's entry no longer matches
-    path = runs / "swapped.ckpt"
-    torch.save(swapped, path)
-    result = phase("resume", runs / "resumed-swapped", path)
-    assert result.returncode != 0
-    assert "RNG states after resume do not match the checkpoint" in result.stdout + result.stderr
+    def swap(c):
+        entry = c[CHECKPOINT_KEY]
+        entry["ranks"] = [entry["ranks"][1], entry["ranks"][0]]
+        for i, r in enumerate(entry["ranks"]):
+            r["digest"] = json.dumps(i)  # digests in saving order: restoring rank r's entry no longer matches
+
+    swapped = _edited(runs, swap, "swapped")
+    out = phase("resume", runs / "swapped", swapped, env=CONFIGS["2-ranks-in-process-data"][0])
+    assert out.returncode != 0
+    assert "RNG states after resume do not match the checkpoint" in out.stdout + out.stderr
 
 
-def test_mid_epoch_resume_is_reproducible_with_itself(runs):
-    ok("first-steps", runs / "mid")
-    for name in ("a", "b"):
-        ok("resume", runs / f"mid-{name}", runs / "mid" / "step=5.ckpt")
-    a, b = load(runs / "mid-a" / "last.ckpt"), load(runs / "mid-b" / "last.ckpt")
-    assert a["global_step"] == b["global_step"] == 20
-    assert bitwise_equal(a, b)
-    # Not the uninterrupted run: Lightning re-iterates a plain DataLoader from the epoch's first batch (documented).
-    assert not bitwise_equal(a, load(runs / "straight" / "last.ckpt"))
+def test_sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise(runs, tmp_path):
+    env = CONFIGS["2-ranks-in-process-data"][0]
+    out = tmp_path / "preempt"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "preempt", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(**env),
+    )
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    at_step = out / "at_step"
+    while not (at_step.exists() and at_step.read_text().strip() and int(at_step.read_text()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the main process only: it forwards the signal to the forked ranks
+    output = proc.communicate(timeout=CHILD_TIMEOUT_S)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert "Preempted by signal 15" in output and (out / "preempted.ckpt").exists()
+    saved = torch.load(out / "preempted.ckpt", weights_only=True)
+    k = int(saved["global_step"])
+    assert 3 <= k < 9  # stopped at a step boundary, before the end
+    ok("resume", tmp_path / "after", out / "preempted.ckpt", env=env)
+    assert_continues(result(runs / "2-ranks-in-process-data" / "straight"), result(tmp_path / "after" / "preempted"), k)
 
 
 def _restore_rank_zero_everywhere(rank, world_size):
@@ -142,6 +181,7 @@ def test_verification_catches_one_rank_state_copied(tmp_path):
 def test_deterministic_strategy_adds_the_callback(tmp_path):
     import lightning as L
 
+    from lightning_determinism import DeterministicDDPStrategy
     from tests.lightning_models import RecordingModule
 
     class Probe(L.Callback):

@@ -1,11 +1,16 @@
-"""One phase of the bitwise-resume acceptance test, in its own process.
+"""Phases of the resume acceptance tests, each in its own process.
 
-python resume_run.py straight OUT            # 4 epochs
-python resume_run.py first OUT               # 2 epochs, checkpoint
-python resume_run.py resume OUT CKPT         # resume from CKPT to 4 epochs
-python resume_run.py first-steps OUT         # stop after 9 steps with a mid-epoch checkpoint at step 5
+python resume_run.py straight OUT              # the whole run, ModelCheckpoint(every_n_train_steps=1): step=K.ckpt
+python resume_run.py resume OUT CKPT...        # for each CKPT in turn: a new Trainer resumes it to the end
+python resume_run.py preempt OUT               # the whole run under PreemptionCheckpoint; the test sends SIGTERM
+
+Environment: DEVICES (1 or 2 gloo ranks, fork), WORKERS (0 or 2), PERSIST (persistent workers), PERSAMPLE
+(WorkerSeedCallback(per_sample=True); without it no WorkerSeedCallback), ACCUM (accumulate_grad_batches), EPOCHS.
+Every run records, on rank 0, the synced training loss of every step and a fingerprint of the final parameters,
+optimizer and LR-scheduler state (OneCycleLR, sized by `trainer.estimated_stepping_batches`: Lightning issue #20550).
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,17 +21,28 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_determinism import DeterministicDDPStrategy, WorkerSeedCallback  # noqa: E402
+from lightning_determinism import (  # noqa: E402
+    DeterministicDDPStrategy,
+    DeterministicSingleDeviceStrategy,
+    PreemptionCheckpoint,
+    WorkerSeedCallback,
+    fingerprint,
+)
+
+DEVICES = int(os.environ.get("DEVICES", "2"))
+WORKERS = int(os.environ.get("WORKERS", "0"))
+EPOCHS = int(os.environ.get("EPOCHS", "3"))
+ACCUM = int(os.environ.get("ACCUM", "1"))
 
 
 class Noisy(Dataset):
-    """Fixed features; every __getitem__ adds random noise (an augmentation drawn in the workers)."""
+    """Fixed features; every item adds random noise (an augmentation, drawn in a worker or in the main process)."""
 
-    def __init__(self, n: int = 40) -> None:
+    def __init__(self, n: int = 24) -> None:
         gen = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 8, generator=gen)
         self.y = torch.randn(n, 1, generator=gen)
@@ -39,62 +55,84 @@ class Noisy(Dataset):
 
 
 class Net(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, out: str) -> None:
         super().__init__()
+        self.out = out
         self.net = None
+        self.losses: dict[int, str] = {}
 
     def configure_model(self) -> None:
-        # Built here, the weights come from the strategy's base seed on every rank and in every process.
-        if self.net is None:
+        if self.net is None:  # built here: the same weights on every rank and in every process
             self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        synced = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        self.log("train/loss", synced)
+        if not self.trainer.fit_loop._should_accumulate():
+            self.losses[int(self.trainer.global_step) + 1] = float(synced).hex()  # the step this batch completes
+        step_file = Path(self.out) / "at_step"
+        step_file.write_text(str(self.trainer.global_step))
+        return loss
 
     def train_dataloader(self):
-        persist = bool(os.environ.get("PERSIST"))
-        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=persist)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-
-    def val_dataloader(self):
-        return DataLoader(Noisy(8), batch_size=4) if os.environ.get("VAL") else []
+        persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
+        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=WORKERS, persistent_workers=persist)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        total = self.trainer.estimated_stepping_batches  # builds the train loader early (Lightning #20550)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-2, total_steps=int(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            schedulers = [config.scheduler.state_dict() for config in self.trainer.lr_scheduler_configs]
+            state = {
+                "params": fingerprint(self.net),
+                "optimizer": fingerprint(self.trainer.optimizers[0]),
+                "scheduler": fingerprint(schedulers),
+                "global_step": int(self.trainer.global_step),
+                "losses": self.losses,
+            }
+            (Path(self.out) / "result.json").write_text(json.dumps(state))
 
 
-def trainer(out: Path, max_epochs: int, **ckpt) -> L.Trainer:
+def trainer(out: Path, callbacks: list[Callback]) -> L.Trainer:
+    if DEVICES > 1:
+        strategy = DeterministicDDPStrategy(seed=17, start_method="fork")
+    else:
+        strategy = DeterministicSingleDeviceStrategy(seed=17, device="cpu")
+    if os.environ.get("PERSAMPLE"):
+        callbacks = [WorkerSeedCallback(per_sample=True), *callbacks]
     return L.Trainer(
-        strategy=DeterministicDDPStrategy(seed=17, start_method="fork"),
+        strategy=strategy,
         accelerator="cpu",
-        devices=2,
-        max_epochs=max_epochs,
-        callbacks=[
-            WorkerSeedCallback(per_sample=bool(os.environ.get("PERSAMPLE"))),
-            ModelCheckpoint(dirpath=out, save_last=True, **ckpt),
-        ],
+        devices=DEVICES,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUM,
+        callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
         default_root_dir=str(out),
     )
 
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
     if mode == "straight":
-        trainer(out, 4).fit(Net())
-    elif mode == "first":
-        trainer(out, 2).fit(Net())
+        every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer(out, [every_step]).fit(Net(str(out)))
     elif mode == "resume":
-        trainer(out, 4).fit(Net(), ckpt_path=sys.argv[3])
-    elif mode == "first-steps":
-        t = trainer(out, 4, every_n_train_steps=5, save_top_k=-1, filename="{step}")
-        t.fit_loop.epoch_loop.max_steps = 9
-        t.fit(Net())
+        for ckpt in sys.argv[3:]:
+            target = out / Path(ckpt).stem
+            target.mkdir(parents=True, exist_ok=True)
+            trainer(target, []).fit(Net(str(target)), ckpt_path=ckpt)
+    elif mode == "preempt":
+        trainer(out, [PreemptionCheckpoint(out)]).fit(Net(str(out)))
     else:
         raise SystemExit(f"unknown mode {mode}")

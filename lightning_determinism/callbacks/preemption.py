@@ -1,0 +1,145 @@
+"""PreemptionCheckpoint: on SIGTERM, finish the step, checkpoint every rank's state, and exit cleanly.
+
+Clusters preempt jobs by sending ``SIGTERM`` (SLURM also sends ``SIGUSR1`` ahead of time when asked to). Lightning's
+own handler stops at the start of the next step with a ``SIGTERMException`` and no checkpoint, unless
+``OnExceptionCheckpoint`` is configured. This callback instead lets the current optimizer step finish (the whole
+accumulation window), has all ranks agree that a signal arrived (one may have received it and the others not), writes
+a checkpoint with every rank's RNG and data position (so a resumed run is bitwise the uninterrupted one), and
+leaves through ``SystemExit``: teardown runs, no traceback is printed, the process exits with ``exit_code``.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+class PreemptionCheckpoint(Callback):
+    """Checkpoint at the next step boundary after a preemption signal, then exit.
+
+    Args:
+        dirpath: where the checkpoint goes; ``None`` takes the first ``ModelCheckpoint``'s directory, else
+            ``trainer.default_root_dir``.
+        filename: the checkpoint's name, without ``.ckpt``.
+        exit_code: the status the processes exit with after the checkpoint (``0``: a clean stop).
+        signals: the signals that mean "preempted"; ``None`` is ``SIGTERM``, plus ``SIGUSR1`` when Lightning's SLURM
+            environment requeues the job (``auto_requeue``). Then Lightning's requeue runs at the step boundary too.
+
+    Raises:
+        TypeError: for a ``filename`` that is not a string or an ``exit_code`` that is not an int.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[PreemptionCheckpoint("ckpts")], logger=False, enable_progress_bar=False)
+        >>> trainer.callbacks[0].filename
+        'preempted'
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        filename: str = "preempted",
+        exit_code: int = 0,
+        signals: tuple[int, ...] | None = None,
+    ) -> None:
+        if not isinstance(filename, str) or not filename:
+            raise TypeError(f"`filename` must be a non-empty str, got {filename!r}")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int):
+            raise TypeError(f"`exit_code` must be an int, got {exit_code!r}")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.filename = filename
+        self.exit_code = exit_code
+        self.signals = signals
+        self.received: int | None = None  # the signal received, on this rank
+        self.preempted = False
+        self.path: Path | None = None
+        self._previous: dict[int, Any] = {}
+        self._requeue = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_previous"] = {}  # signal handlers are this process's
+        return state
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: a signal handler must not take locks or run collectives.
+        self.received = signum
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning registered its own handlers (in Trainer._run): this one takes their place until the end of
+        # training, so Lightning's SIGTERM handler does not stop the run before the step is complete.
+        environment = trainer._accelerator_connector.cluster_environment
+        self._requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        signals = self.signals
+        if signals is None:
+            signals = (signal.SIGTERM,) + ((signal.SIGUSR1,) if self._requeue else ())
+        for signum in signals:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handler)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_handlers()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return  # the optimizer step is not done yet: stop at the end of the accumulation window
+        signum = _agree(self.received or 0, trainer)
+        if not signum:
+            return
+        self.preempted = True
+        if self._requeue and signum == signal.SIGUSR1:
+            # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job.
+            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+            self.path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+        else:
+            self.path = self._target(trainer)
+            trainer.save_checkpoint(self.path)  # every rank takes part; rank 0 writes
+        rank_zero_info(
+            f"Preempted by signal {signum}: checkpoint at step {trainer.global_step} written to {self.path};"
+            f" resume with trainer.fit(..., ckpt_path={str(self.path)!r}). Exiting with status {self.exit_code}."
+        )
+        self._restore_handlers()
+        raise SystemExit(self.exit_code)
+
+    def _target(self, trainer: pl.Trainer) -> Path:
+        dirpath = self.dirpath
+        if dirpath is None:
+            checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
+            dirpath = Path(checkpoint_dir) if checkpoint_dir else Path(trainer.default_root_dir)
+        return dirpath / f"{self.filename}.ckpt"
+
+
+def _agree(signum: int, trainer: pl.Trainer) -> int:
+    """The largest signal number any rank received (0: none): every rank stops at the same step, or none does."""
+    if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
+        return signum
+    flag = torch.tensor([signum], dtype=torch.int64, device=trainer.strategy.root_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+__all__ = ["PreemptionCheckpoint"]

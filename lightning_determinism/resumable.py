@@ -1,0 +1,483 @@
+"""Training data loaders that resume mid-epoch, bitwise, skipping consumed batches at the index level.
+
+Resumed mid-epoch, Lightning iterates a plain ``DataLoader`` again from the epoch's first batch, and the new iterator
+draws a new shuffle and new worker seeds. Under the deterministic strategies every training ``DataLoader`` is made
+resumable instead (its class becomes a subclass of its own with the methods of :class:`ResumableLoaderMixin`):
+
+- its iterator is created lazily, at the first batch, so the random numbers it draws are drawn at the same point of
+  the run whether or not the run was resumed (Lightning creates iterators early, e.g. for
+  ``estimated_stepping_batches``);
+- at each creation it remembers the RNG states the creation draws from (python, numpy and torch CPU streams, the
+  loader's and the sampler's generators): the epoch's order is a function of them;
+- a checkpoint (:class:`~lightning_determinism.RNGStateCheckpoint`) keeps, per rank and loader, these states and
+  the number of batches the training loop consumed;
+- the resumed run creates its first iterator from the saved states, drops the consumed batches' indices before any
+  sample is read, then puts back the RNG states restored from the checkpoint, so everything after continues as in
+  the uninterrupted run.
+
+Randomness drawn inside data-loader workers lives in processes that cannot be checkpointed: bitwise resumes with
+``num_workers > 0`` need :class:`~lightning_determinism.WorkerSeedCallback` ``(per_sample=True)``.
+
+Every loader the strategies process (evaluation loaders too) also survives a CPython bug of Python 3.8 to 3.11
+(gh-112275, fixed in 3.12): a worker forked while another thread of the rank (gloo's, taking the GIL from C++) is
+creating a Python thread state inherits the thread-list lock locked and waits forever in ``PyOS_AfterFork_Child``.
+``benchmarks/soak_fork_fits.py`` met it in about one 2-rank fit in 300; the training loop then waited for that worker
+forever. A loader that forks workers now checks that every worker started (a flag each sets first thing), and if one
+has not within :data:`WORKER_START_TIMEOUT_S`, stops the workers and forks them again from the same RNG states, with
+a warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
+
+PLAN_ATTR = "_ldet_resume_plan"
+"""Attribute of the trainer holding the per-loader resume states read from a checkpoint, until they are used."""
+
+
+def _consume(iterator: Iterator[Any], n: int) -> None:
+    """Advance ``iterator`` by ``n`` items at C speed (itertools' consume recipe)."""
+    next(itertools.islice(iterator, n, n), None)
+
+
+class _SkippedSampler:
+    """``sampler`` without its first ``skip`` indices (the fast path under a ``BatchSampler``)."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.sampler)
+        _consume(iterator, self.skip)
+        return iterator
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+
+class _SkipOnce:
+    """An index sampler whose first iteration starts ``skip`` items (batches) in.
+
+    The skip happens at the first item drawn, like the sampler's own random draw (``RandomSampler`` seeds itself at
+    its first item): after the ``DataLoader`` iterator drew its worker seed, as in the uninterrupted run. Later
+    iterations (persistent workers' next epochs) are the inner sampler's own.
+    """
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner, self.skip = inner, skip
+        self._pending = True
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: the iterator that is first *drawn from* skips (DataLoader iterators may call iter() twice).
+        if not self._pending:
+            yield from self.inner
+            return
+        yield from self._skipped()
+
+    def _skipped(self) -> Iterator[Any]:
+        if not self._pending:  # another iterator of this sampler drew first
+            yield from self.inner
+            return
+        self._pending = False
+        skip = self.skip
+        if skip and type(self.inner) is BatchSampler:  # skip indices, not batches: itertools, not python loops
+            yield from BatchSampler(
+                _SkippedSampler(self.inner.sampler, skip * self.inner.batch_size),
+                self.inner.batch_size,
+                self.inner.drop_last,
+            )
+            return
+        iterator = iter(self.inner)
+        _consume(iterator, skip)
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def _prime(iterator: Any) -> None:
+    """Draw the first index of a single-process iterator now (the sampler's random draw happens with it)."""
+    sampler_iter = getattr(iterator, "_sampler_iter", None)
+    if sampler_iter is None or int(getattr(iterator, "_num_workers", 0)):
+        return  # worker iterators drew their first indices when they were created
+    first = next(sampler_iter, _END)
+    iterator._sampler_iter = sampler_iter if first is _END else itertools.chain([first], sampler_iter)
+
+
+_END = object()
+
+
+class _LazyIterator:
+    """The iterator a resumable loader returns: the real one is created at the first batch."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> _LazyIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._loader._ldet_create_iterator()
+        return next(self._iterator)
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+
+WORKER_START_TIMEOUT_S = 30.0
+"""How long forked data-loader workers may take to start before they are started again."""
+
+
+class _StartedFlag:
+    """A ``worker_init_fn`` wrapper: the worker marks itself started in shared memory, then runs the user's."""
+
+    def __init__(self, flags: torch.Tensor, inner: Any) -> None:
+        self.flags, self.inner = flags, inner
+
+    def __call__(self, worker_id: int) -> None:
+        self.flags[worker_id] = 1
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _workers_started(iterator: Any, flags: torch.Tensor, timeout: float) -> bool:
+    """Wait until every worker marked itself started (or one died: the DataLoader reports that itself)."""
+    deadline = time.monotonic() + timeout
+    workers = getattr(iterator, "_workers", [])
+    while not bool(flags.all()):
+        if any(not worker.is_alive() for worker in workers) or time.monotonic() > deadline:
+            return bool(flags.all()) or any(not worker.is_alive() for worker in workers)
+        time.sleep(0.002)
+    return True
+
+
+class ResumableLoaderMixin:
+    """The methods a converted ``DataLoader`` gains (:func:`make_resumable` for training, :func:`make_fork_safe`).
+
+    They are copied into a direct subclass of the loader's own class rather than mixed in as a base: ``__class__``
+    assignment needs the same layout, which a second base would change. The loader's own class is the converted
+    class's only base, reached with ``_ldet_base``.
+    """
+
+    _ldet_trainer: Any
+    _ldet_resumable: bool
+    _ldet_epoch_start: dict[str, Any] | None
+    _ldet_skip: int | None  # batches to drop while a resumed iterator is being created, else None
+    _ldet_skip_sampler: _SkipOnce | None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._ldet_resumable:
+            return _LazyIterator(self)  # type: ignore[arg-type]
+        return self._ldet_fork(self._ldet_base().__iter__.__get__(self))
+
+    def _ldet_base(self) -> Any:
+        return type(self).__bases__[0]
+
+    def _ldet_fork(self, create: Any) -> Any:
+        """``create()`` the iterator; fork its workers again if one is stuck (see the module notes)."""
+        workers = int(getattr(self, "num_workers", 0))
+        context = getattr(self, "multiprocessing_context", None)
+        method = context.get_start_method() if context is not None else mp.get_start_method(allow_none=True)
+        reuses = getattr(self, "persistent_workers", False) and getattr(self, "_iterator", None) is not None
+        if workers == 0 or method not in (None, "fork") or reuses:
+            return create()
+        states = self._ldet_snapshot(True)
+        for attempt in range(3):
+            flags = torch.zeros(workers, dtype=torch.uint8).share_memory_()
+            user_fn = getattr(self, "worker_init_fn", None)
+            setattr(self, "worker_init_fn", _StartedFlag(flags, user_fn))  # noqa: B010  (a DataLoader attribute)
+            try:
+                iterator = create()
+            finally:
+                setattr(self, "worker_init_fn", user_fn)  # noqa: B010
+            if _workers_started(iterator, flags, WORKER_START_TIMEOUT_S):
+                return iterator
+            stuck = [w.pid for w, started in zip(iterator._workers, flags.tolist(), strict=True) if not started]
+            rank_zero_warn(
+                f"Data-loader workers {stuck} did not start within {WORKER_START_TIMEOUT_S:.0f} s (attempt"
+                f" {attempt + 1}): most likely CPython's fork deadlock gh-112275 (Python < 3.12). Forking them again.",
+                category=DeterminismWarning,
+            )
+            iterator._shutdown_workers()
+            if getattr(self, "persistent_workers", False):
+                self._iterator = None
+            self._ldet_skip_sampler = None  # a resumed iterator skips again
+            self._ldet_restore(states)  # the same draws as the first attempt
+        raise RuntimeError(
+            f"Data-loader workers did not start after 3 attempts of {WORKER_START_TIMEOUT_S:.0f} s each; see the"
+            " warnings above."
+        )
+
+    @property
+    def _index_sampler(self) -> Any:
+        inner = self._ldet_base()._index_sampler.fget(self)
+        if self._ldet_skip is not None:
+            if self._ldet_skip_sampler is None or self._ldet_skip_sampler.inner is not inner:
+                self._ldet_skip_sampler = _SkipOnce(inner, self._ldet_skip)
+            return self._ldet_skip_sampler
+        return inner
+
+    # Lightning's `_Stateful` protocol: with it Lightning no longer warns that the loader cannot resume; the position
+    # itself travels in RNGStateCheckpoint's entry, which Lightning's #20550 cannot drop.
+    def state_dict(self) -> dict[str, Any]:
+        """A marker for Lightning: the loader's position is kept by ``RNGStateCheckpoint``."""
+        return {"position": "kept by lightning_determinism.RNGStateCheckpoint"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to do: the position is restored from ``RNGStateCheckpoint``'s entry."""
+
+    def _ldet_snapshot(self, fresh: bool) -> dict[str, Any]:
+        state = {**capture_cpu_streams(), "fresh": int(fresh)}
+        generator = getattr(self, "generator", None)
+        if generator is not None:
+            state["loader_generator"] = generator.get_state()
+        sampler_generator = getattr(getattr(self, "sampler", None), "generator", None)
+        if isinstance(sampler_generator, torch.Generator):
+            state["sampler_generator"] = sampler_generator.get_state()
+        return state
+
+    def _ldet_restore(self, state: dict[str, Any]) -> None:
+        restore_cpu_streams(state)
+        generator = getattr(self, "generator", None)
+        if generator is not None and "loader_generator" in state:
+            generator.set_state(state["loader_generator"])
+        sampler_generator = getattr(getattr(self, "sampler", None), "generator", None)
+        if isinstance(sampler_generator, torch.Generator) and "sampler_generator" in state:
+            sampler_generator.set_state(state["sampler_generator"])
+
+    def _ldet_fresh(self) -> bool:
+        """Whether ``DataLoader.__iter__`` builds a new iterator (drawing worker seeds) or resets a persistent one."""
+        return not (getattr(self, "persistent_workers", False) and getattr(self, "_iterator", None) is not None)
+
+    def _ldet_set_epoch(self, epoch: int) -> None:
+        _set_sampler_epoch(self, epoch)  # type: ignore[arg-type]
+        per_sample = getattr(getattr(self, "dataset", None), "__getitems__", None)
+        shared_epoch = getattr(per_sample, "epoch", None)  # WorkerSeedCallback's per-sample epoch, if installed
+        if isinstance(shared_epoch, torch.Tensor):
+            shared_epoch.fill_(epoch)
+
+    def _ldet_create_iterator(self) -> Iterator[Any]:
+        trainer = self._ldet_trainer()
+        resume = _take_resume(trainer, self)
+        # The loader's own class (DataLoader or the user's subclass of it), forking safely.
+        parent_iter = self._ldet_base().__iter__.__get__(self)
+
+        def create() -> Any:
+            return self._ldet_fork(parent_iter)
+
+        if resume is None:
+            self._ldet_set_epoch(_current_epoch(trainer))
+            self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
+            return create()  # type: ignore[no-any-return]
+        self._ldet_set_epoch(int(resume["epoch"]))
+        start = resume.get("epoch_start")
+        if start is None:  # the epoch had not begun when the checkpoint was written
+            self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
+            return create()  # type: ignore[no-any-return]
+        _warn_if_not_bitwise(self)
+        now = self._ldet_snapshot(True)
+        self._ldet_restore(start)
+        self._ldet_epoch_start = start
+        self._ldet_skip = int(resume["skip"])
+        generator: Any = getattr(self, "generator", None)
+        if not start.get("fresh", 1):
+            # The original epoch reset persistent workers (no worker-seed draw); this fresh iterator draws one:
+            # let a throwaway generator take it, so the sampler's draw sees the saved state.
+            self.generator = torch.Generator()
+        try:
+            iterator = create()
+            _prime(iterator)
+            return iterator  # type: ignore[no-any-return]
+        finally:
+            self.generator = generator
+            self._ldet_skip = None
+            self._ldet_skip_sampler = None
+            self._ldet_restore(now)
+
+
+def _warn_if_not_bitwise(loader: Any) -> None:
+    getitems = getattr(getattr(loader, "dataset", None), "__getitems__", None)
+    if getattr(loader, "num_workers", 0) > 0 and not getattr(getitems, "ldet_per_sample", False):
+        rank_zero_warn(
+            "Resuming mid-epoch with data-loader workers: randomness drawn inside the workers (augmentations) cannot"
+            " be restored, so the rest of the epoch may differ from the uninterrupted run. Use"
+            " WorkerSeedCallback(per_sample=True) to make every sample's randomness depend on (seed, epoch, index)"
+            " only.",
+            category=DeterminismWarning,
+        )
+
+
+_CLASSES: dict[type, type] = {}
+_SKIP = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__annotations__"}
+
+
+def _resumable_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        methods = {name: value for name, value in vars(ResumableLoaderMixin).items() if name not in _SKIP}
+        _CLASSES[cls] = type(
+            f"Resumable{cls.__name__}", (cls,), {**methods, "__module__": __name__, "_ldet_converted": True}
+        )
+    return _CLASSES[cls]
+
+
+def is_converted(loader: object) -> bool:
+    """Whether the strategies converted this loader (see :func:`make_resumable`)."""
+    return bool(getattr(type(loader), "_ldet_converted", False))
+
+
+def _is_torchdata_stateful(dataloader: object) -> bool:
+    cls = type(dataloader)
+    return cls.__name__ == "StatefulDataLoader" and cls.__module__.startswith("torchdata")
+
+
+def _convert(dataloader: DataLoader, trainer: Any, resumable: bool) -> DataLoader:
+    if not is_converted(dataloader):
+        dataloader.__class__ = _resumable_class(type(dataloader))
+        dataloader._ldet_epoch_start = None  # type: ignore[attr-defined]
+        dataloader._ldet_skip = None  # type: ignore[attr-defined]
+        dataloader._ldet_skip_sampler = None  # type: ignore[attr-defined]
+    dataloader._ldet_resumable = resumable  # type: ignore[attr-defined]
+    dataloader._ldet_trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
+    return dataloader
+
+
+def make_fork_safe(dataloader: object, trainer: Any = None) -> object:
+    """Let a ``DataLoader`` fork its workers only once exiting queue threads are gone (see the module notes).
+
+    Example:
+        >>> loader = make_fork_safe(DataLoader(range(4), batch_size=2))
+        >>> [batch.tolist() for batch in loader]
+        [[0, 1], [2, 3]]
+    """
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    resumable = bool(getattr(dataloader, "_ldet_resumable", False))
+    return _convert(dataloader, trainer, resumable)
+
+
+def make_resumable(dataloader: object, trainer: Any) -> object:
+    """Make a training ``DataLoader`` resumable mid-epoch (in place: its class gains the mixin).
+
+    Anything that is not a map-style ``DataLoader`` is returned unchanged: it resumes at the epoch's first batch, with
+    a warning when a mid-epoch position is pending for it.
+
+    Raises:
+        RuntimeError: for torchdata's ``StatefulDataLoader``, whose own resume breaks under Lightning's DDP.
+    """
+    if _is_torchdata_stateful(dataloader):
+        raise RuntimeError(
+            "torchdata's StatefulDataLoader is not supported by the deterministic strategies: under Lightning's DDP"
+            " its RandomSampler (not a subclass of torch's) gets wrapped in DistributedSamplerWrapper, whose shards"
+            " overlap when ranks seed differently, and its StatefulDistributedSampler saves no epoch, so with workers"
+            " an interrupted epoch resumes in epoch 0's order. Pass a plain torch.utils.data.DataLoader: the"
+            " strategies make it resume mid-epoch, bitwise (see docs/resume.md)."
+        )
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    return _convert(dataloader, trainer, resumable=not isinstance(dataloader.dataset, IterableDataset))
+
+
+def _current_epoch(trainer: Any) -> int:
+    return int(trainer.fit_loop.epoch_progress.current.processed) if trainer is not None else 0
+
+
+def next_train_epoch(trainer: Any) -> int:
+    """The epoch the next training iterator serves: a pending resume's, else the loop's.
+
+    Example:
+        >>> next_train_epoch(None)
+        0
+    """
+    plan = getattr(trainer, PLAN_ATTR, None)
+    if plan:
+        return int(plan[0]["epoch"])
+    return _current_epoch(trainer)
+
+
+def set_plan(trainer: Any, states: list[dict[str, Any]] | None) -> None:
+    """Keep the per-loader states saved for this rank; each training loader takes its own at its first batch."""
+    setattr(trainer, PLAN_ATTR, list(states) if states else None)
+
+
+def _take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
+    plan = getattr(trainer, PLAN_ATTR, None)
+    if not plan:
+        return None
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = list(combined.flattened) if combined is not None else [loader]
+    slot = next((i for i, other in enumerate(loaders) if other is loader), None)
+    if slot is None or slot >= len(plan) or plan[slot] is None:
+        return None
+    state, plan[slot] = plan[slot], None
+    if all(entry is None for entry in plan):
+        setattr(trainer, PLAN_ATTR, None)
+    return state
+
+
+def consumed_batches(trainer: Any) -> int:
+    """Batches of the current epoch a resumed run must not run again, as Lightning counts them on restart.
+
+    A checkpoint written at the end of a batch (``on_train_batch_end``) resumes after it; one written during a batch
+    (on an exception) repeats it.
+    """
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current
+    done_batch = batches.ready == batches.started == batches.processed == batches.completed + 1
+    return int(batches.processed if done_batch else batches.completed)
+
+
+def loader_positions(trainer: Any) -> list[dict[str, Any]]:
+    """Per training loader: the epoch to resume in, batches to skip, and the epoch's saved RNG states.
+
+    Derived from Lightning's loop counters the way Lightning restarts: a checkpoint written at the end of a batch
+    resumes after it, one written mid-batch (an exception) repeats it; a finished epoch resumes at the next one.
+    """
+    fit_loop = trainer.fit_loop
+    combined = getattr(fit_loop, "_combined_loader", None)
+    if combined is None:
+        return []
+    epochs = fit_loop.epoch_progress.current
+    mid_epoch = epochs.processed < epochs.started
+    consumed = consumed_batches(trainer)
+    total = trainer.num_training_batches
+    finished = not mid_epoch or consumed >= total
+    epoch = int(epochs.processed) + (1 if mid_epoch and finished else 0)
+    limits = getattr(combined, "limits", None) or [None] * len(combined.flattened)
+    positions: list[dict[str, Any]] = []
+    for loader, limit in zip(combined.flattened, limits, strict=False):
+        if finished or not (is_converted(loader) and loader._ldet_resumable):
+            positions.append({"epoch": epoch, "skip": 0, "epoch_start": None})
+            continue
+        length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
+        cycles = combined._mode == "max_size_cycle" and length < total
+        skip = consumed % length if cycles and length else min(consumed, length)
+        positions.append({"epoch": epoch, "skip": int(skip), "epoch_start": loader._ldet_epoch_start})
+    return positions
+
+
+__all__ = [
+    "PLAN_ATTR",
+    "WORKER_START_TIMEOUT_S",
+    "ResumableLoaderMixin",
+    "consumed_batches",
+    "is_converted",
+    "loader_positions",
+    "make_fork_safe",
+    "make_resumable",
+    "next_train_epoch",
+    "set_plan",
+]
