@@ -145,14 +145,27 @@ def one_fit(run: int, out: Path, timeout: float) -> tuple[str, float]:
     finished = threading.Event()
     threading.Thread(target=watchdog, daemon=True).start()
     start = time.perf_counter()
+    sys.stderr.flush()
+    saved_stderr = os.dup(2)
+    log = open(dump / "stderr.txt", "w")  # noqa: SIM115  (the ranks' stderr too: they inherit file descriptor 2)
+    os.dup2(log.fileno(), 2)
     try:
         trainer.fit(LM())
         outcome = "clean"
     except Exception as err:  # noqa: BLE001  (a soak records every way a fit can end)
-        outcome = "hung" if hung.is_set() else f"failed: {type(err).__name__}: {str(err)[:200]}"
+        outcome = "hung" if hung.is_set() else f"failed: {type(err).__name__}: {str(err)[-600:]}"
     finally:
         finished.set()
+        sys.stderr.flush()
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+        log.close()
     return outcome, time.perf_counter() - start
+
+
+def _restarted_workers(out: Path) -> int:
+    """How many times the package forked workers again (its warning is on stderr, which the caller may capture)."""
+    return sum(p.read_text().count("did not start within") for p in out.glob("run*/stderr.txt"))
 
 
 def main() -> None:
@@ -176,6 +189,8 @@ def main() -> None:
         elif run % 10 == 9:
             print(f"{run + 1} fits, {results.get('clean', 0)} clean", flush=True)
     print(f"\n{args.runs} consecutive 2-rank fork fits (validation, checkpoints, 2 workers per rank):")
+    restarts = _restarted_workers(out)
+    print(f"  data-loader worker sets forked again after a stuck worker (CPython gh-112275): {restarts}")
     for outcome, count in sorted(results.items()):
         print(f"  {outcome}: {count}")
     print(f"  median fit {sorted(durations)[len(durations) // 2]:.2f} s, slowest {max(durations):.2f} s")

@@ -131,8 +131,8 @@ def weights_fingerprint(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def build_data(length: int = 64) -> tuple[CharWindows, CharWindows, int]:
-    text = make_corpus()
+def build_data(length: int = 64, sentences: int = 1500) -> tuple[CharWindows, CharWindows, int]:
+    text = make_corpus(sentences)
     vocab = sorted(set(text))
     ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
     split = int(len(ids) * 0.9)
@@ -149,9 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="train half the epochs, checkpoint, resume in a new process, and compare with an uninterrupted run",
+        help="stop a run in the middle of an epoch, resume it in a new process, compare with an uninterrupted run",
     )
+    parser.add_argument("--sentences", type=int, default=1500, help="size of the generated corpus (default 1500)")
     parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--stop-at-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -161,27 +163,35 @@ def _count(n: int, noun: str) -> str:
 
 
 def resume_demo(args: argparse.Namespace) -> None:
-    """Run the uninterrupted training and the interrupted one (each phase a new process); print both fingerprints."""
+    """The uninterrupted run and one stopped in the middle of an epoch, resumed in a new process; both fingerprints."""
+    import math
     import subprocess
     import tempfile
 
-    half = max(1, args.epochs // 2)
+    train_set, _, _ = build_data(sentences=args.sentences)
+    per_epoch = math.ceil(len(train_set) / args.devices / args.batch_size)
+    stop = (args.epochs // 2) * per_epoch + per_epoch // 2  # the middle of an epoch
     common = [sys.executable, __file__, "--epochs", str(args.epochs), "--seed", str(args.seed)]
-    common += ["--devices", str(args.devices), "--workers", str(args.workers)]
+    common += ["--devices", str(args.devices), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+    common += ["--sentences", str(args.sentences)]
 
-    def fingerprint(extra: list[str]) -> str:
-        out = subprocess.run(common + extra, capture_output=True, text=True, check=True).stdout
+    def start(extra: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(common + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def fingerprint(process: subprocess.Popen) -> str:
+        out, err = process.communicate()
+        if process.returncode:
+            raise SystemExit(f"a phase of the resume demo failed:\n{err[-3000:]}")
         return [line for line in out.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
 
     with tempfile.TemporaryDirectory() as tmp:
-        straight = fingerprint([])
-        subprocess.run(
-            [*common[:3], str(half), *common[4:], "--ckpt-dir", tmp], capture_output=True, text=True, check=True
-        )
-        resumed = fingerprint(["--resume-from", os.path.join(tmp, "last.ckpt")])
-    first, second = _count(half, "epoch"), _count(args.epochs - half, "epoch")
-    print(f"uninterrupted {_count(args.epochs, 'epoch')}: {straight}")
-    print(f"{first} + new process + {second}: {resumed}")
+        uninterrupted = start([])  # side by side with the interrupted run: they share nothing
+        fingerprint(start(["--ckpt-dir", tmp, "--stop-at-step", str(stop)]))
+        resumed = fingerprint(start(["--resume-from", os.path.join(tmp, "last.ckpt")]))
+        straight = fingerprint(uninterrupted)
+    epoch, batch = divmod(stop, per_epoch)
+    print(f"uninterrupted {_count(args.epochs, 'epoch')}:{'':33}{straight}")
+    print(f"stopped after step {stop} (epoch {epoch}, batch {batch} of {per_epoch}), resumed: {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 
@@ -196,13 +206,14 @@ def main(argv: list[str] | None = None) -> str:
     if not ldet_log.handlers:
         ldet_log.addHandler(logging.StreamHandler(sys.stdout))
 
-    train_set, val_set, vocab_size = build_data()
+    train_set, val_set, vocab_size = build_data(sentences=args.sentences)
     strategy = "ddp_deterministic" if args.devices > 1 else "single_device_deterministic"
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
         max_epochs=args.epochs,
+        max_steps=args.stop_at_step,  # -1: no limit; the resume demo stops a run in the middle of an epoch
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -210,7 +221,11 @@ def main(argv: list[str] | None = None) -> str:
         # Seeds every (rank, worker, epoch) stream; per_sample: each crop depends on (seed, epoch, index) only,
         # so the result is the same for any --workers. (The strategy adds RNGStateCheckpoint by itself.)
         callbacks=[WorkerSeedCallback(per_sample=True)]
-        + ([ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)] if args.ckpt_dir else []),
+        + (
+            [ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, every_n_train_steps=max(1, args.stop_at_step))]
+            if args.ckpt_dir
+            else []
+        ),
         enable_checkpointing=bool(args.ckpt_dir),
     )
     L.seed_everything(args.seed, verbose=False)  # the strategy takes this as its base seed

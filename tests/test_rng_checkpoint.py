@@ -1,5 +1,8 @@
 """RNGStateCheckpoint policies in one process: missing state, another world size, malformed entries."""
 
+from pathlib import Path
+
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -102,3 +105,97 @@ def test_a_checkpoint_from_another_base_seed_warns_naming_both(tmp_path, first):
 def test_the_checkpoint_records_the_report_of_the_run(first):
     saved = torch.load(first, weights_only=True)[CHECKPOINT_KEY]
     assert saved["report"]["base_seed"] == 3 and saved["report"]["deterministic_algorithms"] is True
+
+
+class _Accumulating(RecordingModule):
+    def __init__(self, out_dir, fail_at=None):
+        super().__init__(out_dir, n=24, record_draws=False)
+        self.fail_at = fail_at
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+class _SaveAfterFirstMicroBatch(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            trainer.save_checkpoint(Path(pl_module.out_dir) / "mid.ckpt")
+
+
+def test_a_checkpoint_between_micro_batches_is_refused_with_what_to_do(tmp_path):
+    trainer = quiet_trainer(
+        DeterministicSingleDeviceStrategy(seed=3),
+        1,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        callbacks=[_SaveAfterFirstMicroBatch()],
+    )
+    with pytest.raises(RuntimeError, match=r"holds no accumulated gradients.*every_n_train_steps"):
+        trainer.fit(_Accumulating(str(tmp_path)))
+    assert not (tmp_path / "mid.ckpt").exists()
+
+
+def test_on_an_exception_the_mid_accumulation_checkpoint_is_written_with_a_warning(tmp_path):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    trainer = quiet_trainer(
+        DeterministicSingleDeviceStrategy(seed=3),
+        1,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        callbacks=[OnExceptionCheckpoint(tmp_path)],
+        enable_checkpointing=True,
+    )
+    with (
+        pytest.warns(DeterminismWarning, match="holds no accumulated gradients"),
+        pytest.raises(RuntimeError, match="boom"),
+    ):
+        trainer.fit(_Accumulating(str(tmp_path), fail_at=3))
+    assert (tmp_path / "on_exception.ckpt").exists()  # no data lost
+
+
+def test_resuming_mid_epoch_with_workers_but_no_per_sample_seeding_warns(tmp_path):
+    from tests.lightning_models import StreamModule
+
+    def run(name, epochs, ckpt=None, steps=-1):
+        out = tmp_path / name
+        out.mkdir()
+        trainer = quiet_trainer(
+            DeterministicSingleDeviceStrategy(seed=3),
+            1,
+            max_epochs=epochs,
+            max_steps=steps,
+            callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=3)],
+            enable_checkpointing=True,
+        )
+        trainer.fit(StreamModule(str(out), n=16, batch_size=2, num_workers=2), ckpt_path=ckpt)
+        return out
+
+    first = run("first", 1, steps=3)
+    with pytest.warns(DeterminismWarning, match="Resuming mid-epoch with data-loader workers"):
+        run("resumed", 1, ckpt=first / "last.ckpt")
+
+
+def test_torchdata_stateful_loader_is_refused_with_the_reason():
+    from torch.utils.data import DataLoader
+
+    from lightning_determinism.resumable import make_resumable
+
+    fake = type(
+        "StatefulDataLoader", (DataLoader,), {"__module__": "torchdata.stateful_dataloader.stateful_dataloader"}
+    )
+    with pytest.raises(RuntimeError, match=r"StatefulDataLoader is not supported.*overlap.*epoch 0's order"):
+        make_resumable(fake(list(range(4))), None)
+
+
+def test_the_real_torchdata_loader_is_refused_at_setup(tmp_path):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from tests.lightning_models import IndexDataset
+
+    module = RecordingModule(str(tmp_path), record_draws=False)
+    module.train_dataloader = lambda: stateful.StatefulDataLoader(IndexDataset(8), batch_size=2, shuffle=True)
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=1)
+    with pytest.raises(RuntimeError, match="StatefulDataLoader is not supported"):
+        trainer.fit(module)

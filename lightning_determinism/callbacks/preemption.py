@@ -113,8 +113,8 @@ class PreemptionCheckpoint(Callback):
         self.preempted = True
         if self._requeue and signum == signal.SIGUSR1:
             # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job.
+            self.path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))  # the name it takes
             trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
-            self.path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
         else:
             self.path = self._target(trainer)
             trainer.save_checkpoint(self.path)  # every rank takes part; rank 0 writes
