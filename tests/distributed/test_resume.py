@@ -25,7 +25,7 @@ CONFIGS = {
     "2-ranks-in-process-data": ({"DEVICES": "2", "WORKERS": "0"}, [4, 5, 6, 9]),
     "2-ranks-persistent-workers": ({"DEVICES": "2", "WORKERS": "2", "PERSAMPLE": "1", "PERSIST": "1"}, [5, 6]),
     "1-rank-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "1"}, [7, 9, 12, 18]),
-    "1-rank-in-process-data": ({"DEVICES": "1", "WORKERS": "0"}, [3, 12]),
+    "1-rank-unshuffled-in-process-data": ({"DEVICES": "1", "WORKERS": "0", "SHUFFLE": "0"}, [3, 12]),
 }
 
 

@@ -4,8 +4,9 @@ python resume_run.py straight OUT              # the whole run, ModelCheckpoint(
 python resume_run.py resume OUT CKPT...        # for each CKPT in turn: a new Trainer resumes it to the end
 python resume_run.py preempt OUT               # the whole run under PreemptionCheckpoint; the test sends SIGTERM
 
-Environment: DEVICES (1 or 2 gloo ranks, fork), WORKERS (0 or 2), PERSIST (persistent workers), PERSAMPLE
-(WorkerSeedCallback(per_sample=True); without it no WorkerSeedCallback), ACCUM (accumulate_grad_batches), EPOCHS.
+Environment: DEVICES (1 or 2 gloo ranks, fork), WORKERS (0 or 2), SHUFFLE (1 or 0), PERSIST (persistent workers),
+PERSAMPLE (WorkerSeedCallback(per_sample=True); without it no WorkerSeedCallback), ACCUM (accumulate_grad_batches),
+EPOCHS.
 Every run records, on rank 0, the synced training loss of every step and a fingerprint of the final parameters,
 optimizer and LR-scheduler state (OneCycleLR, sized by `trainer.estimated_stepping_batches`: Lightning issue #20550).
 """
@@ -78,7 +79,8 @@ class Net(L.LightningModule):
 
     def train_dataloader(self):
         persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
-        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=WORKERS, persistent_workers=persist)
+        shuffle = os.environ.get("SHUFFLE", "1") == "1"
+        return DataLoader(Noisy(), batch_size=4, shuffle=shuffle, num_workers=WORKERS, persistent_workers=persist)
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
