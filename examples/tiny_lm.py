@@ -5,6 +5,8 @@ weights. Run it twice: every figure is the same both times.
 
     python examples/tiny_lm.py                 # 2 processes (DDP over gloo), falls back to 1 on a 1-core machine
     python examples/tiny_lm.py --devices 1     # one process, same seeding contract
+    python examples/tiny_lm.py --invariant --devices 1   # world-size-invariant training: the same fingerprint
+    python examples/tiny_lm.py --invariant --devices 4   # on 1, 2 or 4 processes
 
 The corpus is generated here from a small fixed grammar: nothing is downloaded.
 """
@@ -29,6 +31,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_determinism import (  # noqa: E402  (importing registers the strategies)
+    DeterministicDDPStrategy,
+    DeterministicSingleDeviceStrategy,
     DistributedMean,
     DistributedPerplexity,
     WorkerSeedCallback,
@@ -64,6 +68,10 @@ class CharWindows(Dataset):
 
     def __len__(self) -> int:
         return (len(self.ids) - 1) // self.length - (1 if self.random_crop else 0)
+
+    def limit(self, n: int) -> None:
+        """Keep the first ``n`` windows."""
+        self.ids = self.ids[: (n + (1 if self.random_crop else 0)) * self.length + 1]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start = i * self.length + (random.randrange(self.length) if self.random_crop else 0)
@@ -151,6 +159,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="stop a run in the middle of an epoch, resume it in a new process, compare with an uninterrupted run",
     )
+    parser.add_argument(
+        "--invariant",
+        action="store_true",
+        help="world-size-invariant training: 4 micro-batches of --batch-size per step, the same bits on 1, 2 or 4"
+        " processes",
+    )
     parser.add_argument("--sentences", type=int, default=1500, help="size of the generated corpus (default 1500)")
     parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stop-at-step", type=int, default=-1, help=argparse.SUPPRESS)
@@ -175,8 +189,11 @@ def resume_demo(args: argparse.Namespace) -> None:
     common += ["--devices", str(args.devices), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
     common += ["--sentences", str(args.sentences)]
 
+    # Two runs at once: each must pick its own rendezvous port, not share one inherited from this process.
+    env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
+
     def start(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(common + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(common + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     def fingerprint(process: subprocess.Popen) -> str:
         out, err = process.communicate()
@@ -207,7 +224,20 @@ def main(argv: list[str] | None = None) -> str:
         ldet_log.addHandler(logging.StreamHandler(sys.stdout))
 
     train_set, val_set, vocab_size = build_data(sentences=args.sentences)
-    strategy = "ddp_deterministic" if args.devices > 1 else "single_device_deterministic"
+    strategy: str | L.pytorch.strategies.Strategy = (
+        "ddp_deterministic" if args.devices > 1 else "single_device_deterministic"
+    )
+    if args.invariant:
+        # One optimizer step = 4 micro-batches of --batch-size windows, wherever they run; the step must divide the
+        # training set, so the windows of the last partial step are cut off.
+        step = 4 * args.batch_size
+        train_set.limit(len(train_set) // step * step)
+        invariant = {"global_batch_size": step, "micro_batch_size": args.batch_size}
+        strategy = (
+            DeterministicDDPStrategy(start_method="popen", **invariant)
+            if args.devices > 1
+            else DeterministicSingleDeviceStrategy(device="cpu", **invariant)
+        )
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

@@ -18,137 +18,28 @@ resumable instead (its class becomes a subclass of its own with the methods of :
 Randomness drawn inside data-loader workers lives in processes that cannot be checkpointed: bitwise resumes with
 ``num_workers > 0`` need :class:`~lightning_determinism.WorkerSeedCallback` ``(per_sample=True)``.
 
-Every loader the strategies process (evaluation loaders too) also survives a CPython bug of Python 3.8 to 3.11
-(gh-112275, fixed in 3.12): a worker forked while another thread of the rank (gloo's, taking the GIL from C++) is
-creating a Python thread state inherits the thread-list lock locked and waits forever in ``PyOS_AfterFork_Child``.
-``benchmarks/soak_fork_fits.py`` met it in about one 2-rank fit in 300; the training loop then waited for that worker
-forever. A loader that forks workers now checks that every worker started (a flag each sets first thing), and if one
-has not within :data:`WORKER_START_TIMEOUT_S`, stops the workers and forks them again from the same RNG states, with
-a warning.
+Every loader the strategies process (evaluation loaders too) also survives CPython's fork deadlock gh-112275
+(:mod:`~lightning_determinism._worker_start`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import operator
-import os
-import signal
-import time
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
-from torch.utils.data._utils.signal_handling import _remove_worker_pids
+from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_determinism._index_skip import SkipOnce, prime
+from lightning_determinism._worker_start import create_iterator
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 
 PLAN_ATTR = "_ldet_resume_plan"
 """Attribute of the trainer holding the per-loader resume states read from a checkpoint, until they are used."""
-
-
-_END = object()
-_SEEKABLE: tuple[type, ...] = (type(iter([])), type(iter(range(0))))
-
-
-def _seek(iterator: Any, n: int) -> int:
-    """Advance a list or range iterator by up to ``n`` items in O(1); returns how many it advanced."""
-    left = operator.length_hint(iterator)
-    step = min(n, left)
-    iterator.__setstate__(iterator.__reduce__()[2] + step)
-    return step
-
-
-def _consume(iterator: Any, n: int) -> None:
-    """Advance ``iterator`` by ``n`` items without looking at them.
-
-    List and range iterators (``DistributedSampler``, ``SequentialSampler``) and generators that delegate to one
-    (``RandomSampler``'s ``yield from randperm(n).tolist()``) jump in O(1); anything else is advanced at C speed
-    (itertools' consume recipe). Skipping 90 % of an epoch then costs what skipping nothing does.
-    """
-    while n > 0:
-        if isinstance(iterator, _SEEKABLE):
-            _seek(iterator, n)
-            return
-        inner: Any = getattr(iterator, "gi_yieldfrom", None)
-        if isinstance(inner, _SEEKABLE) and operator.length_hint(inner) > 0:
-            n -= _seek(inner, n)
-            continue
-        if next(iterator, _END) is _END:  # start the generator, or move it to its next delegate
-            return
-        n -= 1
-
-
-class _SkippedSampler:
-    """``sampler`` without its first ``skip`` indices (the fast path under a ``BatchSampler``)."""
-
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
-
-    def __iter__(self) -> Iterator[Any]:
-        iterator = iter(self.sampler)
-        _consume(iterator, self.skip)
-        return iterator
-
-    def __len__(self) -> int:
-        return max(0, len(self.sampler) - self.skip)
-
-
-class _SkipOnce:
-    """An index sampler whose first iteration starts ``skip`` items (batches) in.
-
-    The skip happens at the first item drawn, like the sampler's own random draw (``RandomSampler`` seeds itself at
-    its first item): after the ``DataLoader`` iterator drew its worker seed, as in the uninterrupted run. Later
-    iterations (persistent workers' next epochs) are the inner sampler's own.
-    """
-
-    def __init__(self, inner: Any, skip: int) -> None:
-        self.inner, self.skip = inner, skip
-        self._pending = True
-
-    def __iter__(self) -> Iterator[Any]:
-        # A generator: the iterator that is first *drawn from* skips (DataLoader iterators may call iter() twice).
-        if not self._pending:
-            yield from self.inner
-            return
-        yield from self._skipped()
-
-    def _skipped(self) -> Iterator[Any]:
-        if not self._pending:  # another iterator of this sampler drew first
-            yield from self.inner
-            return
-        self._pending = False
-        skip = self.skip
-        if skip and type(self.inner) is BatchSampler:  # skip indices, not batches: itertools, not python loops
-            yield from BatchSampler(
-                _SkippedSampler(self.inner.sampler, skip * self.inner.batch_size),
-                self.inner.batch_size,
-                self.inner.drop_last,
-            )
-            return
-        iterator = iter(self.inner)
-        _consume(iterator, skip)
-        yield from iterator
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-
-def _prime(iterator: Any) -> None:
-    """Draw the first index of a single-process iterator now (the sampler's random draw happens with it)."""
-    sampler_iter = getattr(iterator, "_sampler_iter", None)
-    if sampler_iter is None or int(getattr(iterator, "_num_workers", 0)):
-        return  # worker iterators drew their first indices when they were created
-    first = next(sampler_iter, _END)
-    iterator._sampler_iter = sampler_iter if first is _END else itertools.chain([first], sampler_iter)
-
 
 
 class _LazyIterator:
@@ -170,33 +61,6 @@ class _LazyIterator:
         return len(self._loader)  # type: ignore[arg-type]
 
 
-WORKER_START_TIMEOUT_S = 30.0
-"""How long forked data-loader workers may take to start before they are started again."""
-
-
-class _StartedFlag:
-    """A ``worker_init_fn`` wrapper: the worker marks itself started in shared memory, then runs the user's."""
-
-    def __init__(self, flags: torch.Tensor, inner: Any) -> None:
-        self.flags, self.inner = flags, inner
-
-    def __call__(self, worker_id: int) -> None:
-        self.flags[worker_id] = 1
-        if self.inner is not None:
-            self.inner(worker_id)
-
-
-def _workers_started(iterator: Any, flags: torch.Tensor, timeout: float) -> bool:
-    """Wait until every worker marked itself started (or one died: the DataLoader reports that itself)."""
-    deadline = time.monotonic() + timeout
-    workers = getattr(iterator, "_workers", [])
-    while not bool(flags.all()):
-        if any(not worker.is_alive() for worker in workers) or time.monotonic() > deadline:
-            return bool(flags.all()) or any(not worker.is_alive() for worker in workers)
-        time.sleep(0.002)
-    return True
-
-
 class ResumableLoaderMixin:
     """The methods a converted ``DataLoader`` gains (:func:`make_resumable` for training, :func:`make_fork_safe`).
 
@@ -209,7 +73,7 @@ class ResumableLoaderMixin:
     _ldet_resumable: bool
     _ldet_epoch_start: dict[str, Any] | None
     _ldet_skip: int | None  # batches to drop while a resumed iterator is being created, else None
-    _ldet_skip_sampler: _SkipOnce | None
+    _ldet_skip_sampler: SkipOnce | None
 
     def __iter__(self) -> Iterator[Any]:
         if self._ldet_resumable:
@@ -221,53 +85,14 @@ class ResumableLoaderMixin:
 
     def _ldet_fork(self, create: Any) -> Any:
         """``create()`` the iterator; fork its workers again if one is stuck (see the module notes)."""
-        workers = int(getattr(self, "num_workers", 0))
-        context = getattr(self, "multiprocessing_context", None)
-        method = context.get_start_method() if context is not None else mp.get_start_method(allow_none=True)
-        reuses = getattr(self, "persistent_workers", False) and getattr(self, "_iterator", None) is not None
-        if workers == 0 or method not in (None, "fork") or reuses:
-            return create()
-        states = self._ldet_snapshot(True)
-        for attempt in range(3):
-            flags = torch.zeros(workers, dtype=torch.uint8).share_memory_()
-            user_fn = getattr(self, "worker_init_fn", None)
-            setattr(self, "worker_init_fn", _StartedFlag(flags, user_fn))  # noqa: B010  (a DataLoader attribute)
-            try:
-                iterator = create()
-            finally:
-                setattr(self, "worker_init_fn", user_fn)  # noqa: B010
-            if _workers_started(iterator, flags, WORKER_START_TIMEOUT_S):
-                return iterator
-            stuck = [w.pid for w, started in zip(iterator._workers, flags.tolist(), strict=True) if not started]
-            warnings.warn(
-                f"[pid {os.getpid()}] data-loader workers {stuck} did not start within {WORKER_START_TIMEOUT_S:.0f} s"
-                f" (attempt {attempt + 1}): most likely CPython's fork deadlock gh-112275 (Python < 3.12). Killing"
-                " them and forking the workers again.",
-                DeterminismWarning,
-                stacklevel=2,
-            )
-            if getattr(iterator, "_worker_pids_set", False):  # else PyTorch's SIGCHLD handler reports the kill
-                _remove_worker_pids(id(iterator))
-                iterator._worker_pids_set = False
-            for pid in stuck:  # SIGKILL: a worker stuck before Python's own setup never runs a SIGTERM handler
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            iterator._shutdown_workers()
-            if getattr(self, "persistent_workers", False):
-                self._iterator = None
-            self._ldet_skip_sampler = None  # a resumed iterator skips again
-            self._ldet_restore(states)  # the same draws as the first attempt
-        raise RuntimeError(
-            f"Data-loader workers did not start after 3 attempts of {WORKER_START_TIMEOUT_S:.0f} s each; see the"
-            " warnings above."
-        )
+        return create_iterator(self, create)
 
     @property
     def _index_sampler(self) -> Any:
         inner = self._ldet_base()._index_sampler.fget(self)
         if self._ldet_skip is not None:
             if self._ldet_skip_sampler is None or self._ldet_skip_sampler.inner is not inner:
-                self._ldet_skip_sampler = _SkipOnce(inner, self._ldet_skip)
+                self._ldet_skip_sampler = SkipOnce(inner, self._ldet_skip)
             return self._ldet_skip_sampler
         return inner
 
@@ -325,14 +150,24 @@ class ResumableLoaderMixin:
             return create()  # type: ignore[no-any-return]
         self._ldet_set_epoch(int(resume["epoch"]))
         start = resume.get("epoch_start")
-        if start is None:  # the epoch had not begun when the checkpoint was written
+        skip = int(resume.get("skip", 0))
+        if start is None:
+            # The epoch had not begun when the checkpoint was written; or the order depends on no RNG state (the
+            # world-size-invariant sampler, resumed on another world size): skip without restoring states.
             self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
-            return create()  # type: ignore[no-any-return]
+            self._ldet_skip = skip if skip else None
+            try:
+                iterator = create()
+                prime(iterator)
+                return iterator  # type: ignore[no-any-return]
+            finally:
+                self._ldet_skip = None
+                self._ldet_skip_sampler = None
         _warn_if_not_bitwise(self)
         now = self._ldet_snapshot(True)
         self._ldet_restore(start)
         self._ldet_epoch_start = start
-        self._ldet_skip = int(resume["skip"])
+        self._ldet_skip = skip
         generator: Any = getattr(self, "generator", None)
         if not start.get("fresh", 1):
             # The original epoch reset persistent workers (no worker-seed draw); this fresh iterator draws one:
@@ -340,7 +175,7 @@ class ResumableLoaderMixin:
             self.generator = torch.Generator()
         try:
             iterator = create()
-            _prime(iterator)
+            prime(iterator)
             return iterator  # type: ignore[no-any-return]
         finally:
             self.generator = generator
@@ -396,7 +231,7 @@ def _convert(dataloader: DataLoader, trainer: Any, resumable: bool) -> DataLoade
 
 
 def make_fork_safe(dataloader: object, trainer: Any = None) -> object:
-    """Let a ``DataLoader`` fork its workers only once exiting queue threads are gone (see the module notes).
+    """Let a ``DataLoader`` fork its workers again when one is stuck at start (see ``_worker_start``).
 
     Example:
         >>> loader = make_fork_safe(DataLoader(range(4), batch_size=2))
@@ -510,7 +345,6 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
 
 __all__ = [
     "PLAN_ATTR",
-    "WORKER_START_TIMEOUT_S",
     "ResumableLoaderMixin",
     "consumed_batches",
     "is_converted",

@@ -33,6 +33,7 @@ from lightning_determinism.backends import (
     normalize_debug_mode,
     set_cublas_workspace,
 )
+from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
 from lightning_determinism.samplers import UnevenEvalGuard, trainer_of, unpad_eval_dataloader
@@ -76,12 +77,17 @@ class DeterministicStrategyMixin:
             training-time streams come from :func:`~lightning_determinism.topology.model_parallel_seed` (identical
             across tensor-parallel peers, distinct across data-parallel replicas and pipeline stages) instead of
             ``base + global_rank``, and the tracker's ``"model-parallel-rng"`` stream is set up.
+        global_batch_size: ``B``, samples per optimizer step over all processes; with ``micro_batch_size`` it turns on
+            world-size-invariant training (the same bits on 1, 2, 4, ... processes; see docs/invariance.md).
+        micro_batch_size: ``m``, samples per forward/backward pass: the training loader's ``batch_size``.
+        invariant_threads: intra-op threads per process in the invariant mode (pinned; default 1).
         args: passed on to the strategy.
         kwargs: passed on to the strategy.
 
     Raises:
         TypeError: if ``seed`` is not an integer.
-        ValueError: if ``seed`` is outside ``[0, 2**32 - 1]`` or ``debug_mode`` is not an accepted value.
+        ValueError: if ``seed`` is outside ``[0, 2**32 - 1]``, ``debug_mode`` is not an accepted value, or the
+            invariant mode's arguments do not fit (see :class:`~lightning_determinism.invariant.InvariantTraining`).
 
     Example:
         >>> strategy = DeterministicDDPStrategy(seed=42, debug_mode="warn")
@@ -95,10 +101,28 @@ class DeterministicStrategyMixin:
         seed: int | None = None,
         debug_mode: Any = "error",
         topology: Topology | dict[str, Any] | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        invariant_threads: int = 1,
         **kwargs: Any,
     ) -> None:
         self._ldet_seed = None if seed is None else check_seed(seed)
         self._ldet_debug_mode = normalize_debug_mode(debug_mode)
+        self.invariant: InvariantTraining | None = None
+        if global_batch_size is not None or micro_batch_size is not None:
+            if global_batch_size is None or micro_batch_size is None:
+                raise ValueError(
+                    "world-size-invariant training needs both `global_batch_size` and `micro_batch_size`, got"
+                    f" global_batch_size={global_batch_size!r}, micro_batch_size={micro_batch_size!r}"
+                )
+            if self._ldet_debug_mode not in (1, 2):
+                raise ValueError(
+                    "world-size-invariant training needs deterministic kernels: `debug_mode` must be 'warn' or"
+                    f" 'error', got {debug_mode!r}"
+                )
+            if topology is not None:
+                raise ValueError("world-size-invariant training is data-parallel only: pass no `topology`")
+            self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
         # What this process's environment held before the strategy touched it; teardown() puts it back.
         self._ldet_saved_env: dict[str, str | None] = {_CUBLAS_ENV: os.environ.get(_CUBLAS_ENV)}
         if self._ldet_debug_mode in (1, 2):
@@ -179,6 +203,10 @@ class DeterministicStrategyMixin:
         # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
         seed_all(base)
         _record_seeds(base, base)
+        if self.invariant is not None:
+            self.invariant.setup_environment(rank, world_size, base)
+            rank_zero_info(describe(self.invariant.global_batch_size, self.invariant.micro_batch_size, world_size,
+                                    self.invariant.threads))  # fmt: skip
         # Once, where Lightning prints "Seed set to ...": enough to reproduce an unseeded run from its log.
         rank_zero_info(f"Seed set to {base} by lightning_determinism ({source})")
         log.info(
@@ -205,6 +233,9 @@ class DeterministicStrategyMixin:
                 f"{type(self).__name__}.setup() ran before setup_environment(): the base seed is unknown. Let the"
                 " Trainer call both, in that order."
             )
+        if self.invariant is not None:
+            self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
+            self.invariant.check_module(trainer.lightning_module)
         super().setup(trainer)  # type: ignore[misc]
         if self.topology is not None:
             model_parallel_seed(self._ldet_base_seed, self.topology)
@@ -212,6 +243,20 @@ class DeterministicStrategyMixin:
             local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
             seed_all(local)
             _record_seeds(self._ldet_base_seed, local)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        if self.invariant is not None:  # randomness follows the micro-batch, not the rank
+            self.invariant.before_micro_batch(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        result = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        if self.invariant is not None:
+            module = self.lightning_module  # type: ignore[attr-defined]
+            self.invariant.after_backward([p for p in module.parameters() if p.requires_grad])
+        return result
 
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
@@ -243,6 +288,10 @@ class DeterministicStrategyMixin:
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if self.invariant is not None and trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            dataloader = self.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+            _set_sampler_epoch(dataloader, next_train_epoch(trainer))
+            return make_resumable(dataloader, trainer)
         if trainer is None or not trainer._accelerator_connector.use_distributed_sampler:
             return dataloader  # the user manages samplers: leave theirs alone
         if trainer.state.stage in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
@@ -271,6 +320,14 @@ class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
         >>> DeterministicDDPStrategy(seed=1, start_method="fork").base_seed is None  # known once set up
         True
     """
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self.invariant is None:
+            super()._register_ddp_hooks()
+            return
+        # The invariant mode sums gradients itself, over a fixed tree: DDP's float all-reduce must not run.
+        self.model.register_comm_hook(None, keep_local_gradients)  # type: ignore[union-attr,operator]
 
 
 class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):

@@ -324,3 +324,63 @@ def fit_streams(strategy: Any, out_dir: Path, callbacks: list[Any], devices: int
     for rank in range(devices):
         samples.extend(json.loads((out_dir / f"samples-rank{rank}.json").read_text()))
     return samples, trainer
+
+
+class NoisyPoints(Dataset):
+    """Fixed points; every item adds noise drawn from the global RNG (an augmentation; per-sample seeded in tests)."""
+
+    def __init__(self, n: int = 64) -> None:
+        gen = torch.Generator().manual_seed(11)
+        self.x = torch.randn(n, 8, generator=gen)
+        self.y = torch.randn(n, 1, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+class InvariantModule(L.LightningModule):
+    """Dropout, shuffled data augmented in workers, Adam with a step scheduler; records what must not depend on W."""
+
+    def __init__(self, out_dir: str, n: int = 64, micro_batch_size: int = 4, workers: int = 2) -> None:
+        super().__init__()
+        from lightning_determinism import DistributedMean
+
+        self.out_dir, self.n, self.micro_batch_size, self.workers = out_dir, n, micro_batch_size, workers
+        self.net = None
+        self.train_loss = DistributedMean()
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.train_loss.update(loss.detach(), weight=x.shape[0])
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.losses.append(float(self.train_loss.compute()))  # exact, synced: the same bits on any world size
+        self.train_loss.reset()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(NoisyPoints(self.n), batch_size=self.micro_batch_size, shuffle=True, num_workers=self.workers)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7)}
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            state = {
+                "params": self.net.state_dict(),
+                "optimizer": self.trainer.optimizers[0].state_dict(),
+                "scheduler": self.trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                "losses": [float(v).hex() for v in self.losses],
+                "global_step": int(self.trainer.global_step),
+            }
+            torch.save(state, Path(self.out_dir) / "invariant.pt")

@@ -13,7 +13,7 @@ from tests.helpers import CHILD_TIMEOUT_S, child_env
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, with_stderr: bool = False) -> str:
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), *args],
         capture_output=True,
@@ -23,7 +23,7 @@ def _run(*args: str) -> str:
         env=child_env(),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return result.stdout + (result.stderr if with_stderr else "")
 
 
 SMALL = ("--sentences", "500")  # a smaller corpus than the README's run: the same code, a third of the time
@@ -49,6 +49,17 @@ def test_tiny_lm_seed_changes_the_fingerprint():
     a = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "1", *SMALL))
     b = re.findall(r"weights sha256: (\w+)", _run("--epochs", "1", "--devices", "1", "--seed", "2", *SMALL))
     assert a and b and a != b
+
+
+@pytest.mark.distributed
+def test_tiny_lm_invariant_mode_gives_one_fingerprint_on_one_and_two_processes():
+    outs = [_run("--invariant", "--devices", d, "--epochs", "1", *SMALL, with_stderr=True) for d in ("1", "2")]
+    prints = [re.findall(r"weights sha256: ([0-9a-f]{64})", out) for out in outs]
+    assert len(prints[0]) == 1 and prints[0] == prints[1]
+    assert "B=64 samples per optimizer step in 4 micro-batches of m=16; 2 process(es) x 2 micro-batches" in outs[1]
+    assert outs[1].count("world-size-invariant training:") == 1
+    figures = [re.findall(r"epoch 0: val/loss (\d+\.\d+) val/ppl (\d+\.\d+)", out) for out in outs]
+    assert len(figures[0]) == 1 and figures[0] == figures[1]
 
 
 @pytest.mark.distributed

@@ -20,11 +20,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
+from lightning_determinism import elastic
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.resumable import consumed_batches, loader_positions, set_plan
@@ -113,6 +114,7 @@ class RNGStateCheckpoint(Callback):
             "data": loader_positions(trainer),  # epoch, batches consumed, the epoch's RNG states: mid-epoch resume
         }
         ranks = _all_gather(local)  # every rank takes part; the saving rank writes them all
+        invariant = getattr(trainer.strategy, "invariant", None)
         base = current_seeds()["base_seed"]
         checkpoint[CHECKPOINT_KEY] = {
             "format": _FORMAT,
@@ -121,6 +123,7 @@ class RNGStateCheckpoint(Callback):
             "global_step": int(trainer.global_step),
             "ranks": ranks,
             "report": determinism_report(),  # flags, versions, seeds: what `lightning-determinism report` shows
+            "invariant": invariant.state() if invariant is not None else None,  # elastic resume
         }
 
     @override
@@ -148,6 +151,10 @@ class RNGStateCheckpoint(Callback):
             _require(entry, "digest", f"{CHECKPOINT_KEY}.ranks[{i}]")
         self._pending = saved
         same_world = world_size == trainer.world_size
+        invariant = getattr(trainer.strategy, "invariant", None)
+        if not same_world and elastic.compatible(saved.get("invariant"), invariant):
+            self._elastic_resume(trainer, saved, checkpoint, invariant)
+            return
         data = ranks[trainer.global_rank].get("data") if same_world else None
         if data is None and _mid_epoch(checkpoint):
             why = (
@@ -167,6 +174,22 @@ class RNGStateCheckpoint(Callback):
         if same_world:
             worker_cb.load_loader_states(ranks[trainer.global_rank].get("loaders", {}))
         else:
+            worker_cb.load_loader_states({}, resume_key=int(saved.get("global_step", 0)))
+
+    def _elastic_resume(
+        self, trainer: pl.Trainer, saved: dict[str, Any], checkpoint: dict[str, Any], invariant: Any
+    ) -> None:
+        """World-size-invariant training continues on another world size: the same steps, ``K'`` micro-batches each."""
+        old, new = int(saved["invariant"]["micro_batches_per_rank"]), invariant.per_rank
+        set_plan(trainer, elastic.data_plan(saved["ranks"][0].get("data"), old, new))
+        elastic.rescale_loop_counters(checkpoint, old, new)
+        self._pending = None  # no per-process RNG state to restore: every micro-batch reseeds its own
+        rank_zero_info(
+            f"Elastic resume of world-size-invariant training: written by {saved['world_size']} process(es) with"
+            f" {old} micro-batches each per step, continued on {trainer.world_size} with {new} each."
+        )
+        worker_cb = _worker_callback(trainer)
+        if worker_cb is not None:
             worker_cb.load_loader_states({}, resume_key=int(saved.get("global_step", 0)))
 
     @staticmethod

@@ -1,0 +1,216 @@
+"""The cost and the accuracy of world-size-invariant training on 2 gloo processes.
+
+1. Median optimizer-step time of the invariant mode against `DeterministicDDPStrategy` with the same micro-batches
+   (accumulate_grad_batches = K), for the tiny LM of examples/tiny_lm.py and a ~10M-parameter MLP (target <= 1.3x),
+   and where the invariant mode's own time goes: local accumulation (taking each micro-batch's gradient into the
+   tree), communication (the two-process all-reduce of each level above the processes), reduction (the rest of
+   finishing the tree: dividing the root and setting the gradients).
+2. Accuracy: the averaged gradient of one step against a float64 reference, for the invariant tree and for float32
+   DDP (local accumulation in .grad, then a gloo all-reduce): the largest relative error over the gradient's elements
+   (denominators at least 1e-3 of the largest) and the relative L2 error, worst over a few steps.
+   Both sum the same float32 micro-batch gradients (16 per step, 8 per process); the reference sums them in float64.
+
+    python benchmarks/invariance.py [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from tiny_lm import TinyLM, build_data  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Subset, TensorDataset  # noqa: E402
+
+import lightning_determinism.tree as tree  # noqa: E402
+from lightning_determinism import DeterministicDDPStrategy  # noqa: E402
+
+TIMES: dict[str, float] = {"local accumulation": 0.0, "communication": 0.0, "reduction": 0.0}
+
+
+def _timed(name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument() -> None:
+    """Time the invariant mode's own steps (inherited by the forked ranks)."""
+    tree.GradientTree.add_leaf = _timed("local accumulation", tree.GradientTree.add_leaf)
+    tree.GradientTree.finish = _timed("reduction", tree.GradientTree.finish)  # communication is subtracted below
+    tree.dist = _TimedDist()  # only the tree's own all-reduces, not the loop's logging or metric syncs
+
+
+class _TimedDist:
+    """torch.distributed as the tree module sees it, with its all-reduce timed."""
+
+    all_reduce = staticmethod(_timed("communication", dist.all_reduce))
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+
+class StepClock(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out, self.stamps = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not trainer.fit_loop._should_accumulate():
+            self.stamps.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            steps = [b - a for a, b in itertools.pairwise(self.stamps[2:])]  # after two warm-up steps
+            self.out.write_text(json.dumps({"step": statistics.median(steps), "steps": len(steps), **TIMES}))
+
+
+class MLP(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(1024, 2048), nn.ReLU(), nn.Dropout(0.1), nn.Linear(2048, 2048), nn.ReLU(),
+            nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 1),
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _mlp_data(n: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1024, generator=gen), torch.randn(n, 1, generator=gen))
+
+
+def time_steps(name: str, mode: str, steps: int) -> dict:
+    if name == "tiny LM":
+        train, _, vocab = build_data()
+        m, B = 16, 64
+        data, module = Subset(train, range(len(train) // B * B)), TinyLM(vocab)
+    else:
+        m, B = 32, 128
+        data, module = _mlp_data(B * (steps + 3)), MLP()
+    kwargs = {"global_batch_size": B, "micro_batch_size": m} if mode == "invariant" else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        trainer = L.Trainer(
+            strategy=DeterministicDDPStrategy(seed=0, start_method="fork", **kwargs),
+            accelerator="cpu",
+            devices=2,
+            max_steps=steps + 3,
+            accumulate_grad_batches=1 if mode == "invariant" else B // m // 2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[StepClock(out)],
+        )
+        trainer.fit(module, DataLoader(data, batch_size=m, shuffle=True))
+        return json.loads(out.read_text())
+
+
+METRICS = ("max relative error", "relative L2 error")
+
+
+def _accuracy_rank(rank: int, world: int, store: str, out: str, steps: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = MLP().net
+    data = _mlp_data(128 * steps)
+    m, micro = 8, 16  # 16 micro-batches per step, 8 per process
+    per_rank = micro // world
+    groups = tree.pair_groups(world)
+    errors = {f"{name}: {metric}": 0.0 for name in ("invariant tree", "float32 DDP") for metric in METRICS}
+    parameters = list(model.parameters())
+    for step in range(steps):
+        leaves = []  # every micro-batch's float32 gradient (loss scaled by 1/K): what both ways sum
+        for j in range(micro):
+            x, y = data[(step * micro + j) * m : (step * micro + j + 1) * m]
+            model.zero_grad()
+            (nn.functional.mse_loss(model(x), y) / per_rank).backward()
+            leaves.append([p.grad.clone() for p in parameters])
+        flat = [torch.cat([g.reshape(-1) for g in leaf]) for leaf in leaves]
+        reference = torch.stack([f.double() for f in flat]).sum(dim=0) / world  # float64 sum, then the same scaling
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        ddp = torch.zeros_like(flat[0])
+        for j in mine:  # DDP: .grad accumulates the micro-batches one after the other, then all-reduce, / W
+            ddp += flat[j]
+        dist.all_reduce(ddp)
+        ddp /= world
+        gradients = tree.GradientTree(parameters, per_rank, groups, rank)
+        for j in mine:
+            for p, g in zip(parameters, leaves[j], strict=True):
+                p.grad = g.clone()
+            gradients.add_leaf()
+        gradients.finish(divide_by=world)
+        exact = torch.cat([p.grad.reshape(-1) for p in parameters])
+        floor = 1e-3 * float(reference.abs().max())  # relative error, the denominator kept off zero
+        for name, value in (("invariant tree", exact), ("float32 DDP", ddp)):
+            diff = value.double() - reference
+            figures = {
+                METRICS[0]: (diff.abs() / reference.abs().clamp_min(floor)).max(),
+                METRICS[1]: diff.norm() / reference.norm(),
+            }
+            for metric, figure in figures.items():
+                errors[f"{name}: {metric}"] = max(errors[f"{name}: {metric}"], float(figure))
+    if rank == 0:
+        Path(out).write_text(json.dumps(errors))
+    dist.destroy_process_group()
+
+
+def accuracy(steps: int = 4) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "errors.json")
+        mp.start_processes(
+            _accuracy_rank, args=(2, os.path.join(tmp, "store"), out, steps), nprocs=2, start_method="fork"
+        )
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    instrument()
+    print("1. median optimizer-step time on 2 gloo processes (same micro-batches)")
+    print(f"   {'':34s}{'DDP':>12s}{'invariant':>12s}{'ratio':>10s}   invariant mode's own time per step")
+    for name in ("tiny LM", "~10M-parameter MLP"):
+        ddp = time_steps(name, "ddp", args.steps)
+        inv = time_steps(name, "invariant", args.steps)
+        inv["reduction"] -= inv["communication"]
+        parts = ", ".join(f"{k} {inv[k] / (inv['steps'] + 3) * 1e3:.1f} ms" for k in TIMES)
+        ratio = inv["step"] / ddp["step"]
+        print(f"   {name:34s}{ddp['step'] * 1e3:>10.1f}ms{inv['step'] * 1e3:>10.1f}ms{ratio:>9.2f}x   {parts}")
+    errors = accuracy()
+    print("\n2. averaged gradient vs a float64 sum of the same micro-batch gradients (worst of 4 steps; MLP,")
+    print("   16 micro-batches per step on 2 processes)")
+    print(f"   {'':34s}" + "".join(f"{metric:>22s}" for metric in METRICS))
+    for name in ("float32 DDP", "invariant tree"):
+        print(f"   {name:34s}" + "".join(f"{errors[f'{name}: {metric}']:>22.2e}" for metric in METRICS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""World-size-invariant training: the same bits on 1, 2 and 4 gloo processes, elastic resume, and the refusals.
+
+Dropout, shuffled data augmented in 2 workers per process (WorkerSeedCallback(per_sample=True)), gradient clipping,
+Adam and a StepLR scheduler; B = 16 samples per step in 4 micro-batches of 4, 64 samples, 3 epochs (12 steps)."""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, WorkerSeedCallback
+from lightning_determinism.invariant import InvariantSampler, InvariantTraining
+from tests.lightning_models import InvariantModule, quiet_trainer
+
+pytestmark = pytest.mark.distributed
+
+INVARIANT = {"global_batch_size": 16, "micro_batch_size": 4}
+
+
+def _fit(out, strategy, devices, workers=2, ckpt=None, save_every_step=False, **trainer_kwargs):
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks = [WorkerSeedCallback(per_sample=True)]
+    if save_every_step:
+        callbacks.append(ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}"))
+    trainer = quiet_trainer(
+        strategy, devices, max_epochs=3, gradient_clip_val=0.5, callbacks=callbacks,
+        enable_checkpointing=save_every_step, **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(InvariantModule(str(out), workers=workers), ckpt_path=ckpt)
+    return torch.load(out / "invariant.pt", weights_only=True)
+
+
+def _ddp(**kwargs):
+    return DeterministicDDPStrategy(seed=5, start_method="fork", **kwargs)
+
+
+def assert_bitwise(a, b):
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    for index, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][index][key]), (index, key)
+    assert a["scheduler"] == b["scheduler"] and a["global_step"] == b["global_step"] == 12
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariant")
+    results = {w: _fit(root / f"w{w}", _ddp(**INVARIANT), w, save_every_step=w == 2) for w in (1, 2, 4)}
+    return root, results
+
+
+def test_one_two_and_four_processes_give_the_same_bits(runs):
+    _, results = runs
+    assert_bitwise(results[1], results[2])
+    assert_bitwise(results[1], results[4])
+    assert results[1]["losses"] == results[2]["losses"] == results[4]["losses"]  # the synced, logged loss
+    assert len(results[1]["losses"]) == 3
+
+
+def test_a_single_device_strategy_gives_the_same_bits(runs, tmp_path):
+    _, results = runs
+    single = _fit(tmp_path, DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT), 1)
+    assert_bitwise(results[1], single)
+
+
+@pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+def test_a_checkpoint_of_two_processes_resumes_on_one_and_on_four(runs, tmp_path, step):
+    root, results = runs
+    for world in (1, 4):
+        resumed = _fit(tmp_path / f"w{world}", _ddp(**INVARIANT), world, ckpt=root / "w2" / f"step={step}.ckpt")
+        assert_bitwise(results[1], resumed)
+
+
+def test_plain_deterministic_ddp_is_not_invariant(tmp_path):
+    # The same micro-batches per step (accumulate_grad_batches = 4 / W), but DDP's float all-reduce and per-rank
+    # streams: the test above could fail.
+    one = _fit(tmp_path / "w1", _ddp(), 1, workers=0, accumulate_grad_batches=4)
+    two = _fit(tmp_path / "w2", _ddp(), 2, workers=0, accumulate_grad_batches=2)
+    assert any(not torch.equal(one["params"][k], two["params"][k]) for k in one["params"])
+
+
+def test_the_setup_says_once_what_it_fixed(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        _fit(tmp_path, DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT), 1, workers=0)
+    lines = [r.getMessage() for r in caplog.records if "world-size-invariant training" in r.getMessage()]
+    assert len(lines) == 1
+    assert "B=16 samples per optimizer step in 4 micro-batches of m=4; 1 process(es) x 4 micro-batches" in lines[0]
+    assert "valid world sizes: [1, 2, 4]" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"global_batch_size": 16}, ValueError, "needs both `global_batch_size` and `micro_batch_size`"),
+        ({"global_batch_size": 24, "micro_batch_size": 4}, ValueError, r"must be a power of two .* 24 / 4 = 6"),
+        ({"global_batch_size": 16, "micro_batch_size": 3}, ValueError, r"`micro_batch_size` must divide"),
+        ({"global_batch_size": 16.0, "micro_batch_size": 4}, TypeError, "`global_batch_size` must be a positive int"),
+        ({**INVARIANT, "debug_mode": None}, ValueError, "needs deterministic kernels: `debug_mode` must be 'warn'"),
+        ({**INVARIANT, "topology": {"mp_degree": 1}}, ValueError, "data-parallel only"),
+    ],
+)
+def test_bad_settings_are_refused_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DeterministicDDPStrategy(**kwargs)
+
+
+def test_a_world_size_that_does_not_split_the_step_is_refused():
+    with pytest.raises(ValueError, match=r"runs on \[1, 2, 4\] processes, got 3"):
+        InvariantTraining(16, 4).setup_environment(0, 3, 0)
+
+
+def test_a_dataset_length_the_global_batch_does_not_divide_is_refused():
+    with pytest.raises(ValueError, match=r"got 60 samples for B=16 \(12 left over\)"):
+        InvariantSampler(60, 16, 4, world_size=2, rank=0, seed=0)
+
+
+def test_loaders_that_cannot_be_cut_into_micro_batches_are_refused():
+    invariant = InvariantTraining(16, 4)
+    with pytest.raises(ValueError, match="`batch_size` must be the micro-batch size m=4, got 8"):
+        invariant.process_train_loader(DataLoader(list(range(64)), batch_size=8), 0, 1)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(64))
+
+    with pytest.raises(ValueError, match="needs a map-style dataset.*got a `Stream`"):
+        invariant.process_train_loader(DataLoader(Stream(), batch_size=4), 0, 1)
+
+
+def test_batch_norm_manual_optimization_and_a_contradicting_accumulation_are_refused_at_setup(tmp_path):
+    class WithBatchNorm(InvariantModule):
+        def configure_model(self):
+            super().configure_model()
+            self.norm = torch.nn.BatchNorm1d(8)
+
+    strategy = DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT)
+    with pytest.raises(ValueError, match="cannot keep batch-norm running statistics invariant: `norm`"):
+        quiet_trainer(strategy, 1, max_epochs=1).fit(WithBatchNorm(str(tmp_path), workers=0))
+
+    class Manual(InvariantModule):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.automatic_optimization = False
+
+    strategy = DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT)
+    with pytest.raises(ValueError, match="needs `automatic_optimization=True`"):
+        quiet_trainer(strategy, 1, max_epochs=1).fit(Manual(str(tmp_path), workers=0))
+    strategy = DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT)
+    with pytest.raises(ValueError, match=r"`accumulate_grad_batches=3` contradicts .* = 4 micro-batches"):
+        quiet_trainer(strategy, 1, max_epochs=1, accumulate_grad_batches=3).fit(InvariantModule(str(tmp_path)))
+
+
+def test_lightning_cli_yaml_turns_it_on(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_determinism.DeterministicSingleDeviceStrategy\n"
+        "    init_args:\n      device: cpu\n      global_batch_size: 16\n      micro_batch_size: 4\n"
+        f"model:\n  out_dir: {tmp_path}\n"
+    )
+    cli = LightningCLI(InvariantModule, run=False, args=["--config", str(config)], save_config_callback=None)
+    invariant = cli.trainer.strategy.invariant
+    assert (invariant.global_batch_size, invariant.micro_batch_size, invariant.micro_batches) == (16, 4, 4)
