@@ -16,50 +16,21 @@ distributed metric over an evaluation set equals the single-process value.
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.rank_zero import rank_prefixed_message, rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
-from lightning_determinism.backends import (
-    configure_determinism,
-    debug_mode_name,
-    normalize_debug_mode,
-    set_cublas_workspace,
-)
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
 from lightning_determinism.samplers import UnevenEvalGuard, trainer_of, unpad_eval_dataloader
-from lightning_determinism.seeding import (
-    BASE_SEED_ENV,
-    LOCAL_SEED_ENV,
-    _record_seeds,
-    check_seed,
-    resolve_base_seed,
-    seed_all,
-)
-from lightning_determinism.topology import Topology, model_parallel_seed, stream_seeds
-
-log = logging.getLogger(__name__)
-
-_CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
-_SEED_ENV = ("PL_GLOBAL_SEED", BASE_SEED_ENV, LOCAL_SEED_ENV)
-
-
-def _world_of(degrees: dict[str, Any]) -> int:
-    """The world size a dict of degrees implies, with ``dp_degree`` missing taken as 1 (validation only)."""
-    world = 1
-    for key in ("dp_degree", "pp_degree", "sharding_degree", "mp_degree", "sep_degree"):
-        value = degrees.get(key, 1)
-        world *= value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-    return world
+from lightning_determinism.seeding_steps import SeedingSteps
+from lightning_determinism.topology import Topology
 
 
 class DeterministicStrategyMixin:
@@ -106,8 +77,7 @@ class DeterministicStrategyMixin:
         invariant_threads: int = 1,
         **kwargs: Any,
     ) -> None:
-        self._ldet_seed = None if seed is None else check_seed(seed)
-        self._ldet_debug_mode = normalize_debug_mode(debug_mode)
+        self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
         self.invariant: InvariantTraining | None = None
         if global_batch_size is not None or micro_batch_size is not None:
             if global_batch_size is None or micro_batch_size is None:
@@ -115,7 +85,7 @@ class DeterministicStrategyMixin:
                     "world-size-invariant training needs both `global_batch_size` and `micro_batch_size`, got"
                     f" global_batch_size={global_batch_size!r}, micro_batch_size={micro_batch_size!r}"
                 )
-            if self._ldet_debug_mode not in (1, 2):
+            if self._ldet_steps.debug_mode not in (1, 2):
                 raise ValueError(
                     "world-size-invariant training needs deterministic kernels: `debug_mode` must be 'warn' or"
                     f" 'error', got {debug_mode!r}"
@@ -123,37 +93,23 @@ class DeterministicStrategyMixin:
             if topology is not None:
                 raise ValueError("world-size-invariant training is data-parallel only: pass no `topology`")
             self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
-        # What this process's environment held before the strategy touched it; teardown() puts it back.
-        self._ldet_saved_env: dict[str, str | None] = {_CUBLAS_ENV: os.environ.get(_CUBLAS_ENV)}
-        if self._ldet_debug_mode in (1, 2):
-            # cuBLAS reads this when its first handle is created; Lightning initialises CUDA before
-            # setup_environment, so set it now (child processes inherit it) rather than warn there.
-            set_cublas_workspace()
-        if topology is not None and not isinstance(topology, (Topology, dict)):
-            raise TypeError(f"`topology` must be a Topology, a dict of degrees or None, got {type(topology).__name__}")
-        if isinstance(topology, dict):
-            Topology(0, _world_of(topology), **topology)  # validate the degrees now, not after launching
-        self._ldet_topology_spec = topology
-        self.topology: Topology | None = topology if isinstance(topology, Topology) else None
-        self._ldet_base_seed: int | None = None
-        self._ldet_local_seed: int | None = None
         self._ldet_eval_guard = UnevenEvalGuard()
         super().__init__(*args, **kwargs)
 
     @property
     def seed(self) -> int | None:
         """The seed the user passed (``None`` if it is to be taken from ``PL_GLOBAL_SEED`` or drawn)."""
-        return self._ldet_seed
+        return self._ldet_steps.seed
 
     @property
     def debug_mode(self) -> str:
         """The debug mode as a name: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``."""
-        return debug_mode_name(self._ldet_debug_mode)
+        return self._ldet_steps.debug_mode_name
 
     @property
     def base_seed(self) -> int | None:
         """The base seed all ranks agreed on; ``None`` until the environment is set up."""
-        return self._ldet_base_seed
+        return self._ldet_steps.base_seed
 
     @property
     def local_seed(self) -> int | None:
@@ -162,7 +118,12 @@ class DeterministicStrategyMixin:
         ``base_seed + global_rank``, or with a topology the ``default`` seed of
         :func:`~lightning_determinism.topology.stream_seeds`; ``None`` until the environment is set up.
         """
-        return self._ldet_local_seed
+        return self._ldet_steps.local_seed
+
+    @property
+    def topology(self) -> Topology | None:
+        """The parallel topology of this rank (built at setup from the degrees given), or ``None``."""
+        return self._ldet_steps.topology
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
     @override
@@ -179,43 +140,15 @@ class DeterministicStrategyMixin:
         self._add_rng_checkpoint()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
-        for key in (*_SEED_ENV, _CUBLAS_ENV):
-            self._ldet_saved_env.setdefault(key, os.environ.get(key))
-        if self._ldet_seed is not None:
-            source = "given to the strategy"
-        elif os.environ.get("PL_GLOBAL_SEED") is not None:
-            source = "taken from PL_GLOBAL_SEED (seed_everything)"
-        else:
-            source = "drawn on rank 0: pass seed=<it> to the strategy to repeat this run"
-        base = resolve_base_seed(self._ldet_seed, rank, world_size, use_pl_global_seed=True)
-        self._ldet_base_seed = base
-        spec = self._ldet_topology_spec
-        if isinstance(spec, dict):
-            self.topology = Topology(rank, world_size, **spec)
-        elif isinstance(spec, Topology) and (spec.rank, spec.world_size) != (rank, world_size):
-            raise ValueError(
-                f"[rank: {rank}] `topology` was built for rank {spec.rank} of {spec.world_size}, but this process is"
-                f" rank {rank} of {world_size}; pass the degrees as a dict to build it on every rank"
-            )
-        self._ldet_local_seed = stream_seeds(base, self.topology)["default"] if self.topology else base + rank
-        configure_determinism(self._ldet_debug_mode)  # type: ignore[arg-type]
-        os.environ["PL_GLOBAL_SEED"] = str(base)
-        # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
-        seed_all(base)
-        _record_seeds(base, base)
-        if self.invariant is not None:
-            self.invariant.setup_environment(rank, world_size, base)
-            rank_zero_info(describe(self.invariant.global_batch_size, self.invariant.micro_batch_size, world_size,
-                                    self.invariant.threads))  # fmt: skip
-        # Once, where Lightning prints "Seed set to ...": enough to reproduce an unseeded run from its log.
-        rank_zero_info(f"Seed set to {base} by lightning_determinism ({source})")
-        log.info(
-            rank_prefixed_message(
-                f"lightning_determinism: base seed {base}, local seed {self._ldet_local_seed},"
-                f" debug_mode={self.debug_mode}",
-                rank,
-            )
-        )
+        invariant = self.invariant
+
+        def describe_invariant() -> None:
+            if invariant is not None:
+                invariant.setup_environment(rank, world_size, self._ldet_steps.base_seed)  # type: ignore[arg-type]
+                rank_zero_info(describe(invariant.global_batch_size, invariant.micro_batch_size, world_size,
+                                        invariant.threads))  # fmt: skip
+
+        self._ldet_steps.ranks_known(rank, world_size, before_log=describe_invariant)
 
     def _add_rng_checkpoint(self) -> None:
         """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""
@@ -228,7 +161,7 @@ class DeterministicStrategyMixin:
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]
-        if self._ldet_base_seed is None:
+        if self._ldet_steps.base_seed is None:
             raise RuntimeError(
                 f"{type(self).__name__}.setup() ran before setup_environment(): the base seed is unknown. Let the"
                 " Trainer call both, in that order."
@@ -237,12 +170,7 @@ class DeterministicStrategyMixin:
             self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
             self.invariant.check_module(trainer.lightning_module)
         super().setup(trainer)  # type: ignore[misc]
-        if self.topology is not None:
-            model_parallel_seed(self._ldet_base_seed, self.topology)
-        else:
-            local = self._ldet_base_seed + self.global_rank  # type: ignore[attr-defined]
-            seed_all(local)
-            _record_seeds(self._ldet_base_seed, local)
+        self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
@@ -268,21 +196,7 @@ class DeterministicStrategyMixin:
     @override
     def teardown(self) -> None:  # type: ignore[misc]
         super().teardown()  # type: ignore[misc]
-        self._restore_env()
-
-    def _restore_env(self) -> None:
-        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace).
-
-        Set during the fit, they reach data-loader workers and child processes; left behind, a drawn seed would
-        turn Lightning's ``reset_seed()`` (a no-op without ``seed_everything``) into a reseed and be silently
-        reused by a later ``seed_everything()``.
-        """
-        saved, self._ldet_saved_env = self._ldet_saved_env, {}
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        self._ldet_steps.restore_env()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]

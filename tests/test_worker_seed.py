@@ -52,23 +52,20 @@ def test_without_the_callback_dropout_changes_the_data(tmp_path):
     assert runs[0.0] != runs[0.5]  # what the callback fixes
 
 
-def test_users_generator_is_respected(tmp_path):
+def test_users_generator_is_respected():
     from torch.utils.data import DataLoader
 
+    from lightning_determinism.worker_seeding import LoaderSeeding
     from tests.lightning_models import StreamDataset
 
     generator = torch.Generator().manual_seed(77)
     loader = DataLoader(StreamDataset(4), batch_size=2, shuffle=True, generator=generator)
-    callback = WorkerSeedCallback(seed=1)
-    callback.base_seed = 1
-
-    class _Trainer:
-        class state:  # noqa: N801
-            stage = None
-
-    assert callback._prepare(loader, _Trainer()) is loader
+    assert LoaderSeeding(base_seed=1, rank=0, per_sample=False).prepare(loader, "train") is loader
     assert loader.generator is generator
     assert loader.sampler.generator is generator
+    own = DataLoader(StreamDataset(4), batch_size=2, shuffle=True)
+    LoaderSeeding(base_seed=1, rank=0, per_sample=False).prepare(own, "train")
+    assert own.generator is not None and own.sampler.generator is not None  # the contrast: a loader without one
 
 
 def test_non_dataloader_iterable_warns_once_and_is_left_alone(tmp_path):

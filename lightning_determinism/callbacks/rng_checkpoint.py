@@ -14,12 +14,10 @@ Only tensors, ints, floats, strings, lists and dicts: the checkpoint loads with 
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -28,6 +26,9 @@ from typing_extensions import override
 from lightning_determinism import elastic
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.rank_states import all_gather as _all_gather
+from lightning_determinism.rank_states import check_ranks, other_seed_message, verify_restored
+from lightning_determinism.rank_states import digest as _digest
 from lightning_determinism.resumable import consumed_batches, loader_positions, set_plan
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
@@ -36,41 +37,10 @@ CHECKPOINT_KEY = "lightning_determinism_rng"
 _FORMAT = 1
 
 
-def _digest(rng: dict[str, Any]) -> str:
-    """sha256 over the python, numpy and torch CPU states (what makes a rank's stream its own)."""
-    h = hashlib.sha256()
-    h.update(rng["python"]["state"].numpy().tobytes())
-    h.update(rng["numpy"]["state"].numpy().tobytes())
-    h.update(rng["torch"].numpy().tobytes())
-    return h.hexdigest()
-
-
-def _pattern(digests: list[str]) -> list[list[int]]:
-    """Groups of ranks holding equal states, e.g. ``[[0], [1]]`` (all distinct) or ``[[0, 1]]`` (all equal)."""
-    groups: dict[str, list[int]] = {}
-    for rank, digest in enumerate(digests):
-        groups.setdefault(digest, []).append(rank)
-    return sorted(groups.values())
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
-
-
 def _worker_callback(trainer: pl.Trainer) -> Any:
     from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
 
     return next((cb for cb in trainer.callbacks if isinstance(cb, WorkerSeedCallback)), None)  # type: ignore[attr-defined]
-
-
-def _require(mapping: Any, key: str, where: str) -> Any:
-    if not isinstance(mapping, dict) or key not in mapping:
-        raise ValueError(f"checkpoint key `{where}` is malformed: missing {key!r}")
-    return mapping[key]
 
 
 class RNGStateCheckpoint(Callback):
@@ -140,15 +110,8 @@ class RNGStateCheckpoint(Callback):
             )
             self._pending = None
             return
-        ranks = _require(saved, "ranks", CHECKPOINT_KEY)
-        world_size = _require(saved, "world_size", CHECKPOINT_KEY)
-        if not isinstance(ranks, list) or len(ranks) != world_size:
-            raise ValueError(f"checkpoint key `{CHECKPOINT_KEY}.ranks` is malformed: expected {world_size} entries")
-        for i, entry in enumerate(ranks):
-            rng = _require(entry, "rng", f"{CHECKPOINT_KEY}.ranks[{i}]")
-            for key in ("python", "numpy", "torch"):
-                _require(rng, key, f"{CHECKPOINT_KEY}.ranks[{i}].rng")
-            _require(entry, "digest", f"{CHECKPOINT_KEY}.ranks[{i}]")
+        ranks = check_ranks(saved, CHECKPOINT_KEY)
+        world_size = saved["world_size"]
         self._pending = saved
         same_world = world_size == trainer.world_size
         invariant = getattr(trainer.strategy, "invariant", None)
@@ -238,28 +201,12 @@ class RNGStateCheckpoint(Callback):
         self._verify(saved, rank)
 
     def _warn_on_other_seed(self, saved: dict[str, Any]) -> None:
-        stored = saved.get("base_seed", -1)
-        current = current_seeds()["base_seed"]
-        if stored is None or stored < 0 or current is None or int(stored) == int(current):
-            return
-        rank_zero_warn(
-            f"The checkpoint was written by a run with base seed {stored}, but this run's base seed is {current}: the"
-            " RNG states saved in the checkpoint are restored, while everything derived from the base seed (worker"
-            f" and per-sample seeds, the sampler's shuffle) follows {current}, so this is not the continuation of the"
-            f" saved run. Resume with seed={stored} (or seed_everything({stored})) to continue it bitwise.",
-            category=DeterminismWarning,
-        )
+        message = other_seed_message(saved.get("base_seed", -1), current_seeds()["base_seed"])
+        if message is not None:
+            rank_zero_warn(message, category=DeterminismWarning)
 
     def _verify(self, saved: dict[str, Any], rank: int) -> None:
-        restored = _digest(capture_rng_state())
-        digests = _all_gather(restored)
-        expected = [entry["digest"] for entry in saved["ranks"]]
-        wrong = [r for r, (got, want) in enumerate(zip(digests, expected, strict=True)) if got != want]
-        if wrong or _pattern(digests) != _pattern(expected):
-            raise RuntimeError(
-                f"[rank: {rank}] RNG states after resume do not match the checkpoint: ranks {wrong} hold another"
-                f" rank's or a foreign state; saved equal-groups {_pattern(expected)}, restored {_pattern(digests)}"
-            )
+        verify_restored(saved, rank, _digest(capture_rng_state()))
 
 
 def _mid_epoch(checkpoint: dict[str, Any]) -> bool:
