@@ -1,6 +1,6 @@
 """Reproducible PyTorch Lightning training and evaluation across ranks, nodes, restarts and workers.
 
-Importing the package registers the deterministic strategies in Lightning's ``StrategyRegistry``
+Importing the package registers the deterministic strategies in Lightning's ``StrategyRegistry`` and in Fabric's
 (``ddp_deterministic``, ``ddp_spawn_deterministic``, ``ddp_fork_deterministic``, ``fsdp_deterministic``, ...).
 Every public name the documentation uses can be imported from here.
 """
@@ -8,14 +8,22 @@ Every public name the documentation uses can be imported from here.
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.backends import configure_determinism, determinism_report
 from lightning_determinism.baseline_file import BaselineFileError, compare_baselines, load_baseline
+from lightning_determinism.baseline_recorder import BaselineMismatch, BaselineRecorder
 from lightning_determinism.callbacks import (
     NumericalBaseline,
     PreemptionCheckpoint,
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
-from lightning_determinism.callbacks.baseline import BaselineMismatch
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.fabric import (
+    DeterministicFabricDDPStrategy,
+    DeterministicFabricFSDPStrategy,
+    DeterministicFabricSingleDeviceStrategy,
+    DeterministicFabricStrategyMixin,
+    FabricRNGState,
+    register_fabric_strategies,
+)
 from lightning_determinism.fingerprint import fingerprint, tensor_fingerprints
 from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
 from lightning_determinism.rng import (
@@ -37,17 +45,24 @@ from lightning_determinism.strategies import (
 from lightning_determinism.topology import GroupInfo, Topology, model_parallel_seed, stream_seeds
 
 register_strategies()
+register_fabric_strategies()
 
 __all__ = [
     "BaselineFileError",
     "BaselineMismatch",
+    "BaselineRecorder",
     "DeterminismWarning",
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",
+    "DeterministicFabricDDPStrategy",
+    "DeterministicFabricFSDPStrategy",
+    "DeterministicFabricSingleDeviceStrategy",
+    "DeterministicFabricStrategyMixin",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
     "DistributedMean",
     "DistributedPerplexity",
+    "FabricRNGState",
     "GroupInfo",
     "NumericalBaseline",
     "PreemptionCheckpoint",
@@ -68,6 +83,7 @@ __all__ = [
     "load_baseline",
     "model_parallel_seed",
     "perplexity",
+    "register_fabric_strategies",
     "register_strategies",
     "restore_rng_state",
     "set_seed",

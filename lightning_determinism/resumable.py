@@ -76,6 +76,10 @@ class ResumableLoaderMixin:
     _ldet_skip_sampler: SkipOnce | None
 
     def __iter__(self) -> Iterator[Any]:
+        epoch = getattr(self, "_ldet_epoch", None)
+        if epoch is not None:  # Fabric: a loader's epoch is the number of times it was iterated (see .fabric)
+            epoch.fill_(self._ldet_iterations)  # type: ignore[attr-defined]
+            self._ldet_iterations += 1  # type: ignore[attr-defined]
         if self._ldet_resumable:
             return _LazyIterator(self)  # type: ignore[arg-type]
         return self._ldet_fork(self._ldet_base().__iter__.__get__(self))

@@ -81,6 +81,7 @@ class SeedingSteps:
         self.topology: Topology | None = topology if isinstance(topology, Topology) else None
         self.base_seed: int | None = None
         self.local_seed: int | None = None
+        self._source = ""
         # What this process's environment held before the strategy touched it; restore_env() puts it back.
         self.saved_env: dict[str, str | None] = {CUBLAS_ENV: os.environ.get(CUBLAS_ENV)}
         if self.debug_mode in (1, 2):
@@ -93,10 +94,11 @@ class SeedingSteps:
         """The debug mode as a name (``"error"``, ``"warn"``, ``"default"``, ``"none"``)."""
         return debug_mode_name(self.debug_mode)
 
-    def ranks_known(self, rank: int, world_size: int, before_log: Any = None) -> int:
+    def ranks_known(self, rank: int, world_size: int, before_log: Any = None, announce: bool = True) -> int:
         """Step 1: agree on the base seed, set the flags, seed every rank with the base seed; returns it.
 
-        ``before_log`` (a callable) runs after seeding and before the seed lines are printed.
+        ``before_log`` (a callable) runs after seeding and before the seed lines are printed; with
+        ``announce=False`` they are printed by a later :meth:`announce`.
         """
         for key in (*SEED_ENV, CUBLAS_ENV):
             self.saved_env.setdefault(key, os.environ.get(key))
@@ -117,9 +119,11 @@ class SeedingSteps:
             )
         configure_determinism(self.debug_mode)  # type: ignore[arg-type]
         self._adopt(base, rank)
+        self._source = source
         if before_log is not None:
             before_log()
-        self._announce(source, rank)
+        if announce:
+            self.announce(rank)
         return base
 
     def adopt_later_seed(self, rank: int, world_size: int) -> bool:
@@ -133,7 +137,7 @@ class SeedingSteps:
             return False
         base = broadcast_seed(check_seed(int(env), world_size, name="PL_GLOBAL_SEED")) if world_size > 1 else int(env)
         self._adopt(base, rank, reseed=False)
-        self._announce("taken from seed_everything, called after the processes were launched", rank)
+        self._source = "taken from seed_everything, called after the processes were launched"
         return True
 
     def _adopt(self, base: int, rank: int, reseed: bool = True) -> None:
@@ -145,9 +149,10 @@ class SeedingSteps:
             seed_all(base)
         _record_seeds(base, base)
 
-    def _announce(self, source: str, rank: int) -> None:
+    def announce(self, rank: int) -> None:
+        """Print the agreed seed once (rank 0) and each rank's seeds (the package's logger)."""
         # Once, where Lightning prints "Seed set to ...": enough to reproduce an unseeded run from its log.
-        rank_zero_info(f"Seed set to {self.base_seed} by lightning_determinism ({source})")
+        rank_zero_info(f"Seed set to {self.base_seed} by lightning_determinism ({self._source})")
         log.info(
             rank_prefixed_message(
                 f"lightning_determinism: base seed {self.base_seed}, local seed {self.local_seed},"
