@@ -31,7 +31,7 @@ def normalize_debug_mode(debug_mode: object) -> int | None:
     Raises:
         ValueError: for anything else, listing the accepted values.
 
-    Example:
+    Examples:
         >>> normalize_debug_mode("warn")
         1
         >>> normalize_debug_mode(None) is None
@@ -51,7 +51,7 @@ def normalize_debug_mode(debug_mode: object) -> int | None:
 def debug_mode_name(debug_mode: object) -> str:
     """The readable name of a debug mode: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``.
 
-    Example:
+    Examples:
         >>> debug_mode_name(2)
         'error'
     """
@@ -94,7 +94,7 @@ def configure_determinism(debug_mode: DebugMode) -> int | None:
     Raises:
         ValueError: if ``debug_mode`` is not an accepted value.
 
-    Example:
+    Examples:
         >>> configure_determinism("error")
         2
         >>> torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
@@ -136,7 +136,7 @@ def determinism_report() -> dict[str, Any]:
     deterministic-algorithm flags, cuDNN and TF32 flags, ``CUBLAS_WORKSPACE_CONFIG``, ``PL_GLOBAL_SEED``, CUDA
     availability, and the base seed, local seed, rank and world size in effect. Paste it into a bug report.
 
-    Example:
+    Examples:
         >>> import json
         >>> report = determinism_report()
         >>> report["deterministic_algorithms"] in (True, False)

@@ -76,7 +76,7 @@ def _same_nonfinite(x: Any, y: Any) -> bool:
 def differs(x: Any, y: Any, rtol: float, atol: float, nonfinite_equal: bool = False) -> bool:
     """Whether two recorded values disagree: beyond tolerance, missing on one side, or not finite.
 
-    Example:
+    Examples:
         >>> differs(float("nan"), float("nan"), 1e-4, 1e-6), differs(float("nan"), float("nan"), 1e-4, 1e-6, True)
         (True, False)
     """
@@ -92,7 +92,7 @@ def first_mismatch(
 ) -> tuple[str, Any, Any] | None:
     """The first quantity of one step that differs: ``(name, reference value, current value)``, else None.
 
-    Example:
+    Examples:
         >>> first_mismatch({"loss": 1.0}, {"loss": 1.1}, rtol=1e-4, atol=0.0)
         ('loss', 1.0, 1.1)
         >>> first_mismatch({"loss": float("nan")}, {"loss": float("nan")}, rtol=1e-4, atol=0.0)
@@ -136,7 +136,7 @@ def compare_baselines(
     Raises:
         BaselineFileError: if the files hold different steps or parameter sets.
 
-    Example:
+    Examples:
         >>> s = {"step": 0, "loss": 1.0, "grad_norm": 1.0, "grad_norms": {"w": 1.0}, "param_norms": {"w": 2.0}}
         >>> out = compare_baselines({"steps": [s]}, {"steps": [{**s, "loss": 1.5}]}, rtol=1e-4, atol=0.0)
         >>> out["first"]["step"], out["first"]["name"]
@@ -180,7 +180,7 @@ def compare_baselines(
 def describe_baseline(data: dict[str, Any]) -> dict[str, Any]:
     """What a baseline file says about the run that wrote it: world size, steps, quantities and its report.
 
-    Example:
+    Examples:
         >>> describe_baseline({"format": 1, "world_size": 2, "steps": []})["world_size"]
         2
     """

@@ -87,7 +87,7 @@ class BaselineRecorder:
     after the step, on every rank; :meth:`finish` at the end. The loss is the mean of the ranks' losses (one process
     on the global batch == DDP on its shards). In ``"compare"`` mode a run that matches says so once, on rank 0.
 
-    Example:
+    Examples:
         >>> BaselineRecorder("baseline.json", steps=3, mode="record").steps
         3
     """

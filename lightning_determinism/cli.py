@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def verdicts(report: dict[str, Any]) -> dict[str, str]:
     """A short judgement for each flag that can make a run nondeterministic.
 
-    Example:
+    Examples:
         >>> verdicts({"cudnn_benchmark": True})["cudnn_benchmark"]
         'nondeterministic: cuDNN benchmark is on'
     """

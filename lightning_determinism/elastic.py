@@ -19,7 +19,7 @@ from typing import Any
 def compatible(saved: dict[str, Any] | None, current: Any) -> bool:
     """Whether a checkpoint's invariant settings (``B``, ``m``) are those of the strategy's invariant mode.
 
-    Example:
+    Examples:
         >>> compatible({"global_batch_size": 16, "micro_batch_size": 4}, None)
         False
     """
@@ -36,7 +36,7 @@ def data_plan(
 ) -> list[dict[str, Any]]:
     """Each training loader's position on the new world size: the same steps, ``K'`` micro-batches each.
 
-    Example:
+    Examples:
         >>> data_plan([{"epoch": 1, "skip": 6, "epoch_start": {}}], old_per_rank=2, new_per_rank=4)
         [{'epoch': 1, 'skip': 12, 'epoch_start': None}]
     """
@@ -59,7 +59,7 @@ def rescale_loop_counters(checkpoint: dict[str, Any], old_per_rank: int, new_per
     Every counter moves by ``steps * (K' - K)``, the steps counted from the same counter, so offsets such as "the last
     batch ran but was not completed" survive.
 
-    Example:
+    Examples:
         >>> ckpt = {"loops": {"fit_loop": {"epoch_loop.batch_progress": {
         ...     "total": {"ready": 6, "started": 6, "processed": 6, "completed": 5},
         ...     "current": {"ready": 2, "started": 2, "processed": 2, "completed": 1}}}}}

@@ -12,7 +12,7 @@ Users and tests can filter or escalate them together::
 class DeterminismWarning(UserWarning):
     """Something may make a run less reproducible than the user asked for.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")

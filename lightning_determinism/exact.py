@@ -37,7 +37,7 @@ _PIECE = 2**20  # terms summed at once: 2**20 * 2**42 < 2**63 for the units, 2**
 def zero_limbs(device: torch.device | str | None = None) -> Tensor:
     """The exact zero: an int64 tensor ``[units, high, low]``.
 
-    Example:
+    Examples:
         >>> zero_limbs()
         tensor([0, 0, 0])
     """
@@ -50,7 +50,7 @@ def normalize(limbs: Tensor) -> Tensor:
     Works on any int64 tensor whose last dimension holds the three limbs (a sum of normalized limbs, e.g. after an
     ``all_reduce``, is a valid input).
 
-    Example:
+    Examples:
         >>> normalize(torch.tensor([0, 2**32 + 5, -1]))
         tensor([         1,          4, 4294967295])
     """
@@ -78,7 +78,7 @@ def exact_sum(values: Tensor) -> Tensor:
     Raises:
         ValueError: for a non-finite value or one of magnitude ``2**42`` or more.
 
-    Example:
+    Examples:
         >>> a = torch.tensor([0.1, 1e10, -1e10, 2.0**-60], dtype=torch.float64)
         >>> torch.equal(exact_sum(a), exact_sum(a.flip(0)))
         True
@@ -115,7 +115,7 @@ def check_total(limbs: Tensor, what: str = "the exact sum") -> None:
     Raises:
         ValueError: naming ``what``, the limit and the total.
 
-    Example:
+    Examples:
         >>> check_total(torch.tensor([2**55, 0, 0]), "the NLL sum")
         Traceback (most recent call last):
         ...
@@ -132,7 +132,7 @@ def check_total(limbs: Tensor, what: str = "the exact sum") -> None:
 def limbs_to_fraction(limbs: Tensor) -> Fraction:
     """The exact rational value of (possibly unnormalized) limbs.
 
-    Example:
+    Examples:
         >>> limbs_to_fraction(torch.tensor([1, 2**31, 0]))
         Fraction(3, 2)
     """
@@ -143,7 +143,7 @@ def limbs_to_fraction(limbs: Tensor) -> Fraction:
 def limbs_to_float(limbs: Tensor) -> float:
     """The value of the limbs, correctly rounded to float64.
 
-    Example:
+    Examples:
         >>> limbs_to_float(exact_sum(torch.tensor([0.25, 0.5])))
         0.75
     """
@@ -156,7 +156,7 @@ def exact_mean(limbs: Tensor, count: int | Tensor) -> float:
     The division is done on the exact rational value, so every process that holds the same limbs and count gets the
     same bits.
 
-    Example:
+    Examples:
         >>> exact_mean(exact_sum(torch.tensor([1.0, 2.0, 4.0])), 3)
         2.3333333333333335
     """

@@ -54,7 +54,7 @@ class DeterministicFabricStrategyMixin:
         args: passed on to the strategy.
         kwargs: passed on to the strategy.
 
-    Example:
+    Examples:
         >>> DeterministicFabricDDPStrategy(seed=3, start_method="popen").seed
         3
     """
@@ -185,7 +185,7 @@ _REGISTRATIONS: tuple[tuple[str, type, dict[str, Any]], ...] = (
 def register_fabric_strategies() -> list[str]:
     """Register the deterministic strategies in Fabric's ``STRATEGY_REGISTRY``; safe to call again.
 
-    Example:
+    Examples:
         >>> "ddp_deterministic" in register_fabric_strategies()
         True
     """
@@ -236,7 +236,7 @@ class FabricRNGState:
     ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived — reproducible, not the
     uninterrupted run; never one rank's state copied to all.
 
-    Example:
+    Examples:
         >>> state = FabricRNGState()
         >>> sorted(state.state_dict())
         ['base_seed', 'format', 'ranks', 'report', 'world_size']

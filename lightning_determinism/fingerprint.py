@@ -37,7 +37,7 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
 def named_tensors(obj: Any) -> dict[str, Any]:
     """Flatten a module, a ``state_dict``, an optimizer or a nested collection into ``{dotted name: value}``.
 
-    Example:
+    Examples:
         >>> sorted(named_tensors(torch.nn.Linear(2, 1)))
         ['bias', 'weight']
     """
@@ -63,7 +63,7 @@ def fingerprint(obj: Any) -> str:
     Raises:
         TypeError: for a value that is neither a tensor nor a plain python value.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> a = torch.nn.Linear(3, 2)
         >>> b = torch.nn.Linear(3, 2)
@@ -91,7 +91,7 @@ def fingerprint(obj: Any) -> str:
 def tensor_fingerprints(obj: Any) -> dict[str, str]:
     """One fingerprint per tensor, by name: which parameter differs, not only that something does.
 
-    Example:
+    Examples:
         >>> sorted(tensor_fingerprints(torch.nn.Linear(2, 1)))
         ['bias', 'weight']
     """

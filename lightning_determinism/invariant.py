@@ -38,7 +38,7 @@ def _is_power_of_two(n: int) -> bool:
 def valid_world_sizes(micro_batches: int) -> list[int]:
     """World sizes a step of ``micro_batches`` micro-batches can be split over: powers of two dividing it.
 
-    Example:
+    Examples:
         >>> valid_world_sizes(8)
         [1, 2, 4, 8]
     """
@@ -52,7 +52,7 @@ def check_batch_sizes(global_batch_size: object, micro_batch_size: object) -> tu
         TypeError: for a value that is not an int.
         ValueError: naming the rule that is broken and the values.
 
-    Example:
+    Examples:
         >>> check_batch_sizes(64, 8)
         (64, 8)
         >>> check_batch_sizes(48, 8)
@@ -86,7 +86,7 @@ class InvariantSampler(Sampler[int]):
     The order is ``randperm(N)`` from a generator seeded with ``derive_seed(seed, "invariant-order", epoch)`` (or
     ``0 .. N-1`` without shuffling): it depends on the seed and the epoch, never on the rank or the world size.
 
-    Example:
+    Examples:
         >>> [list(InvariantSampler(8, 4, 2, world_size=2, rank=r, seed=0, shuffle=False)) for r in (0, 1)]
         [[0, 1, 4, 5], [2, 3, 6, 7]]
     """
@@ -133,7 +133,7 @@ class InvariantSampler(Sampler[int]):
 def micro_batch_seed(base: int, step: int, micro_batch: int) -> int:
     """The seed of one micro-batch's randomness: the same on any rank and world size.
 
-    Example:
+    Examples:
         >>> micro_batch_seed(42, 0, 3) == micro_batch_seed(42, 0, 3) != micro_batch_seed(42, 1, 3)
         True
     """

@@ -26,7 +26,7 @@ def digest(rng: dict[str, Any]) -> str:
 def pattern(digests: list[str]) -> list[list[int]]:
     """Groups of ranks holding equal states, e.g. ``[[0], [1]]`` (all distinct) or ``[[0, 1]]`` (all equal).
 
-    Example:
+    Examples:
         >>> pattern(["a", "b", "a"])
         [[0, 2], [1]]
     """

@@ -237,7 +237,7 @@ def _convert(dataloader: DataLoader, trainer: Any, resumable: bool) -> DataLoade
 def make_fork_safe(dataloader: object, trainer: Any = None) -> object:
     """Let a ``DataLoader`` fork its workers again when one is stuck at start (see ``_worker_start``).
 
-    Example:
+    Examples:
         >>> loader = make_fork_safe(DataLoader(range(4), batch_size=2))
         >>> [batch.tolist() for batch in loader]
         [[0, 1], [2, 3]]
@@ -277,7 +277,7 @@ def _current_epoch(trainer: Any) -> int:
 def next_train_epoch(trainer: Any) -> int:
     """The epoch the next training iterator serves: a pending resume's, else the loop's.
 
-    Example:
+    Examples:
         >>> next_train_epoch(None)
         0
     """

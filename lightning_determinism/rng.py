@@ -87,7 +87,7 @@ class RNGStatesTracker:
     Tracks the CPU generator, and the current CUDA device's generator when CUDA is available. Seeds are checked
     for duplicates: two streams with one seed would draw the same numbers.
 
-    Example:
+    Examples:
         >>> tracker = RNGStatesTracker()
         >>> tracker.add("model-parallel-rng", 1234)
         >>> _ = torch.manual_seed(0)
@@ -188,7 +188,7 @@ _TRACKER = RNGStatesTracker()
 def get_rng_tracker() -> RNGStatesTracker:
     """The process-wide tracker that :func:`~lightning_determinism.topology.model_parallel_seed` sets up.
 
-    Example:
+    Examples:
         >>> get_rng_tracker() is get_rng_tracker()
         True
     """
@@ -213,7 +213,7 @@ def generator(name: str, device: torch.device | str | None = None) -> torch.Gene
     Raises:
         RuntimeError: if no base seed is in effect yet.
 
-    Example:
+    Examples:
         >>> from lightning_determinism import set_seed
         >>> _ = set_seed(3)
         >>> g = generator("noise")
@@ -255,7 +255,7 @@ def _numpy_state() -> dict[str, Any]:
 def capture_cpu_streams() -> dict[str, Any]:
     """The three global CPU streams (python ``random``, numpy, torch) as checkpoint-safe values.
 
-    Example:
+    Examples:
         >>> state = capture_cpu_streams()
         >>> a = torch.rand(2)
         >>> restore_cpu_streams(state)
@@ -290,7 +290,7 @@ def capture_rng_state() -> dict[str, Any]:
     ``tracker`` (:meth:`RNGStatesTracker.get_states` of :func:`get_rng_tracker`) and ``generators`` (the
     :func:`generator` states by ``"name@device"``).
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> state = capture_rng_state()
         >>> a = torch.rand(3)

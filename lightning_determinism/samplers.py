@@ -26,7 +26,7 @@ class UnpaddedDistributedSampler(DistributedSampler):
     Shuffling, when asked for, uses the same ``seed + epoch`` permutation as ``DistributedSampler``. Ranks may get
     one sample more or less than each other: fine for evaluation, not for training under DDP.
 
-    Example:
+    Examples:
         >>> [list(UnpaddedDistributedSampler(range(7), num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]
         [[0, 2, 4, 6], [1, 3, 5]]
     """
@@ -54,7 +54,7 @@ def unpad_eval_dataloader(dataloader: object) -> object:
 
     Anything else (non-``DataLoader`` iterables, other samplers, a single replica) is returned unchanged.
 
-    Example:
+    Examples:
         >>> loader = DataLoader(range(7), sampler=DistributedSampler(range(7), num_replicas=2, rank=1, shuffle=False))
         >>> len(loader.sampler), len(unpad_eval_dataloader(loader).sampler)
         (4, 3)
@@ -78,7 +78,7 @@ def eval_batch_counts(dataloader: object) -> list[int] | None:
 
     Every rank computes the same list, from the dataset length, the world size and the batch size.
 
-    Example:
+    Examples:
         >>> loader = DataLoader(range(9), batch_size=4, sampler=UnpaddedDistributedSampler(range(9), 2, 0, False))
         >>> eval_batch_counts(loader)
         [2, 1]

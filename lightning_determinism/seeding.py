@@ -52,7 +52,7 @@ def check_seed(seed: object, world_size: int = 1, name: str = "seed") -> int:
         TypeError: if ``seed`` is not an integer.
         ValueError: if ``seed`` is outside ``[0, 2**32 - 1 - (world_size - 1)]``.
 
-    Example:
+    Examples:
         >>> check_seed(42, world_size=2)
         42
         >>> check_seed(2**32 - 1, world_size=2)
@@ -74,7 +74,7 @@ def draw_seed(world_size: int = 1) -> int:
 
     OS entropy, not torch's RNG: that one may already be seeded, and every process would draw the same.
 
-    Example:
+    Examples:
         >>> 0 <= draw_seed(world_size=8) <= 2**32 - 8
         True
     """
@@ -86,7 +86,7 @@ def broadcast_seed(seed: int, src: int = 0) -> int:
 
     Without an initialised process group the seed is returned unchanged.
 
-    Example:
+    Examples:
         >>> broadcast_seed(7)  # no process group: nothing to agree with
         7
     """
@@ -103,7 +103,7 @@ def broadcast_seed(seed: int, src: int = 0) -> int:
 def seed_all(seed: int) -> None:
     """Seed python ``random``, numpy's global RNG and torch (CPU and every CUDA device) with ``seed``.
 
-    Example:
+    Examples:
         >>> seed_all(3)
         >>> a = torch.rand(1)
         >>> seed_all(3)
@@ -153,7 +153,7 @@ def derive_seed(*keys: int | str) -> int:
         TypeError: for a key that is neither an int nor a string.
         ValueError: for a negative int or no keys at all.
 
-    Example:
+    Examples:
         >>> derive_seed(42, "worker", 0) == derive_seed(42, "worker", 0)
         True
         >>> derive_seed(1, 1) != derive_seed(2, 0)
@@ -176,7 +176,7 @@ def _record_seeds(base: int, local: int) -> None:
 def current_seeds() -> dict[str, int | None]:
     """The base and local seeds this process was last seeded with by the package (``None`` if never).
 
-    Example:
+    Examples:
         >>> _ = set_seed(5)
         >>> current_seeds()["base_seed"]
         5
@@ -192,7 +192,7 @@ def resolve_base_seed(seed: object, rank: int, world_size: int, use_pl_global_se
     An explicit ``seed`` is range-checked. With ``seed=None`` rank 0 picks one (``PL_GLOBAL_SEED`` first when
     ``use_pl_global_seed``, else OS entropy) and broadcasts it, so ranks agree even if their environments differ.
 
-    Example:
+    Examples:
         >>> resolve_base_seed(11, rank=0, world_size=1)
         11
     """
@@ -232,7 +232,7 @@ def set_seed(seed: int | None = None, debug_mode: DebugMode = None) -> int:
         TypeError: if ``seed`` is not an integer.
         ValueError: if ``seed`` is out of range or ``debug_mode`` is not an accepted value.
 
-    Example:
+    Examples:
         >>> set_seed(42)
         42
         >>> a = torch.rand(2)

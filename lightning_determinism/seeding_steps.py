@@ -64,7 +64,7 @@ class SeedingSteps:
     Raises:
         TypeError, ValueError: for a bad seed, debug mode or topology, naming the argument.
 
-    Example:
+    Examples:
         >>> steps = SeedingSteps(seed=7, debug_mode="warn")
         >>> steps.seed, steps.debug_mode, steps.base_seed
         (7, 1, None)

@@ -60,7 +60,7 @@ class DeterministicStrategyMixin:
         ValueError: if ``seed`` is outside ``[0, 2**32 - 1]``, ``debug_mode`` is not an accepted value, or the
             invariant mode's arguments do not fit (see :class:`~lightning_determinism.invariant.InvariantTraining`).
 
-    Example:
+    Examples:
         >>> strategy = DeterministicDDPStrategy(seed=42, debug_mode="warn")
         >>> strategy.seed, strategy.debug_mode
         (42, 'warn')
@@ -230,7 +230,7 @@ class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
     with the process that started them, and forked ranks do not hang in OpenMP (see
     :mod:`~lightning_determinism.launchers`).
 
-    Example:
+    Examples:
         >>> DeterministicDDPStrategy(seed=1, start_method="fork").base_seed is None  # known once set up
         True
     """
@@ -249,7 +249,7 @@ class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):
 
     Registered as ``fsdp_deterministic``. Lightning's FSDP runs on CUDA only.
 
-    Example:
+    Examples:
         >>> DeterministicFSDPStrategy(seed=3).seed
         3
     """
@@ -261,7 +261,7 @@ class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDevice
     Lets the same user code run on one device: rank 0's seed is ``base + 0``. Registered as
     ``single_device_deterministic`` (on the CPU; pass ``device="cuda:0"`` for a GPU).
 
-    Example:
+    Examples:
         >>> DeterministicSingleDeviceStrategy(seed=5, device="cpu").root_device
         device(type='cpu')
     """
@@ -283,7 +283,7 @@ def register_strategies() -> list[str]:
     Returns:
         The registered names.
 
-    Example:
+    Examples:
         >>> "ddp_deterministic" in register_strategies()
         True
     """

@@ -59,7 +59,7 @@ class Topology:
         ValueError: for degrees that are not positive ints or do not multiply to ``world_size``, a rank outside
             ``[0, world_size)``, or an ``order`` that is not a permutation of the five axes.
 
-    Example:
+    Examples:
         >>> topo = Topology(device_rank=3, world_size=4, mp_degree=2)
         >>> topo
         Topology(rank=3, world_size=4, dp=2, pp=1, sharding=1, mp=2, sep=1, order=dp,pp,sharding,mp,sep)
@@ -194,7 +194,7 @@ def stream_seeds(seed: int, topology: Topology) -> dict[str, int]:
     ranks and pp stages. ``model-parallel-rng``: distinct across mp ranks and pp stages, identical across dp
     replicas, sharding ranks and sep peers (a tensor-parallel shard is initialised alike in every replica).
 
-    Example:
+    Examples:
         >>> a, b = (stream_seeds(7, Topology(r, 2, mp_degree=2)) for r in (0, 1))
         >>> a["default"] == b["default"], a["model-parallel-rng"] == b["model-parallel-rng"]
         (True, False)
@@ -217,7 +217,7 @@ def model_parallel_seed(seed: int, topology: Topology, tracker: RNGStatesTracker
     Returns:
         The two seeds, by stream name.
 
-    Example:
+    Examples:
         >>> seeds = model_parallel_seed(7, Topology(0, 1))
         >>> "model-parallel-rng" in get_rng_tracker()
         True

@@ -26,7 +26,7 @@ from torch import Tensor
 def tree_sum(tensors: Sequence[Tensor]) -> Tensor:
     """The fixed tree over a power-of-two list, left to right: the reference the distributed sum must equal.
 
-    Example:
+    Examples:
         >>> tree_sum([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0), torch.tensor(4.0)])
         tensor(10.)
     """
@@ -64,7 +64,7 @@ class GradientTree:
         groups: :func:`pair_groups` of the world (empty for one process).
         rank: this process's rank.
 
-    Example:
+    Examples:
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> tree = GradientTree([p], leaves=2, groups=[], rank=0)
         >>> for g in ([1.0, 2.0], [3.0, 4.0]):

@@ -104,7 +104,7 @@ class LoaderSeeding:
         per_sample: run each ``dataset[i]`` under RNG state derived from ``(base, epoch, i)``.
         owner: how warnings name the object that asked for the seeding.
 
-    Example:
+    Examples:
         >>> seeding = LoaderSeeding(base_seed=1, rank=0, per_sample=False)
         >>> loader = seeding.prepare(DataLoader(range(4), batch_size=2, shuffle=True), "train")
         >>> loader.generator is not None

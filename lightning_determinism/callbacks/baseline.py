@@ -33,7 +33,7 @@ class NumericalBaseline(BaselineRecorder, Callback):
     In ``"compare"`` mode a run that matches says so once, on rank 0: how many steps and quantities matched within
     which tolerance.
 
-    Example:
+    Examples:
         >>> NumericalBaseline("baseline.json", steps=3, mode="record").steps
         3
     """

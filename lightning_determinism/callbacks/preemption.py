@@ -38,7 +38,7 @@ class PreemptionCheckpoint(Callback):
     Raises:
         TypeError: for a ``filename`` that is not a string or an ``exit_code`` that is not an int.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> trainer = L.Trainer(callbacks=[PreemptionCheckpoint("ckpts")], logger=False, enable_progress_bar=False)
         >>> trainer.callbacks[0].filename

@@ -59,7 +59,7 @@ class RNGStateCheckpoint(Callback):
     After restoring, ranks exchange digests: each must hold the state saved for it, and ranks that held equal
     (distinct) states must hold equal (distinct) ones again; otherwise ``RuntimeError`` names the ranks.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> trainer = L.Trainer(callbacks=[RNGStateCheckpoint()], logger=False, enable_progress_bar=False)
         >>> any(isinstance(cb, RNGStateCheckpoint) for cb in trainer.callbacks)
@@ -218,7 +218,7 @@ def _mid_epoch(checkpoint: dict[str, Any]) -> bool:
 def checkpoint_rng_size(checkpoint: dict[str, Any]) -> int:
     """Bytes of tensor data the RNG entry adds to a checkpoint (for reports and benchmarks).
 
-    Example:
+    Examples:
         >>> checkpoint_rng_size({})
         0
     """

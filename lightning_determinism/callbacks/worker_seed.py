@@ -38,7 +38,7 @@ class WorkerSeedCallback(Callback):
         TypeError: if ``seed`` is not an integer.
         ValueError: if ``seed`` is out of range.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> trainer = L.Trainer(callbacks=[WorkerSeedCallback(seed=42)], logger=False, enable_progress_bar=False)
         >>> isinstance(trainer.callbacks[0], WorkerSeedCallback)

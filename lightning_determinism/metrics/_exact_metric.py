@@ -96,7 +96,7 @@ class ExactMetric(Metric):
 def count_nonfinite(values: Tensor) -> Tensor:
     """``[nan, +inf, -inf]`` counts of ``values`` as an int64 tensor.
 
-    Example:
+    Examples:
         >>> count_nonfinite(torch.tensor([1.0, float("nan"), float("inf"), float("inf")]))
         tensor([1, 2, 0])
     """

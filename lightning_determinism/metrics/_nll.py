@@ -104,7 +104,7 @@ def use_compiled(compile: bool | None, device: torch.device, vocab: int) -> bool
     ``compile=None`` reads :data:`COMPILE_ENV` and otherwise compiles on CPU for ``vocab >= 4096`` when a C++
     compiler is on the ``PATH``. The answer depends only on these, never on the batch: a metric keeps one path.
 
-    Example:
+    Examples:
         >>> use_compiled(False, torch.device("cpu"), 32_000), use_compiled(None, torch.device("cpu"), 100)
         (False, False)
     """
@@ -155,7 +155,7 @@ def _eager_row_stats(logits: Tensor, ids: Tensor, chunk_size: int | None) -> tup
 def token_nll(logits: Tensor, ids: Tensor, compiled: bool = False, chunk_size: int | None = None) -> Tensor:
     """Per-token NLL (float64) of ``ids`` ``[N]`` under ``logits`` ``[N, V]``; never part of an autograd graph.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> logits, ids = torch.randn(5, 7), torch.randint(7, (5,))
         >>> ref = torch.nn.functional.cross_entropy(logits.double(), ids, reduction="none")

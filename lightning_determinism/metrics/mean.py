@@ -62,7 +62,7 @@ class DistributedMean(ExactMetric):
     Args:
         kwargs: passed to :class:`torchmetrics.Metric` (``process_group``, ``dist_sync_on_step``, ...).
 
-    Example:
+    Examples:
         >>> metric = DistributedMean()
         >>> metric.update(torch.tensor([1.0, 2.0]))
         >>> metric.update(torch.tensor(4.0), weight=2)  # a batch mean over 2 elements

@@ -144,7 +144,7 @@ def perplexity(
     Returns:
         ``exp(mean NLL)``; NaN with a warning when no token is counted.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> logits = torch.randn(2, 5, 4)
         >>> target = torch.randint(4, (2, 5))
@@ -192,7 +192,7 @@ class DistributedPerplexity(ExactMetric):
         TypeError: for an ``ignore_index`` that is not an int, or a ``compile`` that is not a bool or None.
         ValueError: for a ``chunk_size`` that is not a positive int.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> metric = DistributedPerplexity(ignore_index=-100)
         >>> logits, target = torch.randn(2, 6, 10), torch.randint(10, (2, 6))
