@@ -37,12 +37,12 @@ from lightning_determinism.rank_states import all_gather, check_ranks, digest, o
 from lightning_determinism.resumable import make_fork_safe
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
-from lightning_determinism.seeding_steps import SeedingSteps
+from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
 from lightning_determinism.worker_seeding import LoaderSeeding
 
 
-class DeterministicFabricStrategyMixin:
+class DeterministicFabricStrategyMixin(SeedingProperties):
     """Adds the seeding contract to a Fabric strategy: ``class MyStrategy(DeterministicFabricStrategyMixin, ...)``.
 
     Args:
@@ -77,31 +77,6 @@ class DeterministicFabricStrategyMixin:
         self._ldet_seeding: LoaderSeeding | None = None
         self._ldet_model_ready = False
         super().__init__(*args, **kwargs)
-
-    @property
-    def seed(self) -> int | None:
-        """The seed the user passed (``None``: taken from ``PL_GLOBAL_SEED`` or drawn)."""
-        return self._ldet_steps.seed
-
-    @property
-    def debug_mode(self) -> str:
-        """The debug mode as a name: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``."""
-        return self._ldet_steps.debug_mode_name
-
-    @property
-    def base_seed(self) -> int | None:
-        """The base seed all ranks agreed on; ``None`` before ``launch()``."""
-        return self._ldet_steps.base_seed
-
-    @property
-    def local_seed(self) -> int | None:
-        """This rank's training-time seed (``base + rank``, or the topology's); ``None`` before ``launch()``."""
-        return self._ldet_steps.local_seed
-
-    @property
-    def topology(self) -> Topology | None:
-        """The parallel topology of this rank, or ``None``."""
-        return self._ldet_steps.topology
 
     @override
     def setup_environment(self) -> None:  # type: ignore[misc]

@@ -187,4 +187,39 @@ class SeedingSteps:
                 os.environ[key] = value
 
 
-__all__ = ["CUBLAS_ENV", "SEED_ENV", "SeedingSteps"]
+class SeedingProperties:
+    """What the deterministic strategies (Trainer and Fabric) show of their :class:`SeedingSteps`."""
+
+    _ldet_steps: SeedingSteps
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the user passed (``None`` if it is to be taken from ``PL_GLOBAL_SEED`` or drawn)."""
+        return self._ldet_steps.seed
+
+    @property
+    def debug_mode(self) -> str:
+        """The debug mode as a name: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``."""
+        return self._ldet_steps.debug_mode_name
+
+    @property
+    def base_seed(self) -> int | None:
+        """The base seed all ranks agreed on; ``None`` until the ranks are known (set up / ``launch()``)."""
+        return self._ldet_steps.base_seed
+
+    @property
+    def local_seed(self) -> int | None:
+        """The seed of this rank's training-time streams.
+
+        ``base_seed + global_rank``, or with a topology the ``default`` seed of
+        :func:`~lightning_determinism.topology.stream_seeds`; ``None`` until the ranks are known.
+        """
+        return self._ldet_steps.local_seed
+
+    @property
+    def topology(self) -> Topology | None:
+        """The parallel topology of this rank (built from the degrees given once ranks are known), or ``None``."""
+        return self._ldet_steps.topology
+
+
+__all__ = ["CUBLAS_ENV", "SEED_ENV", "SeedingProperties", "SeedingSteps"]

@@ -29,11 +29,11 @@ from lightning_determinism.invariant import InvariantTraining, describe, keep_lo
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
 from lightning_determinism.samplers import UnevenEvalGuard, trainer_of, unpad_eval_dataloader
-from lightning_determinism.seeding_steps import SeedingSteps
+from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
 
 
-class DeterministicStrategyMixin:
+class DeterministicStrategyMixin(SeedingProperties):
     """Adds rank-offset seeding and deterministic backends to a Lightning strategy.
 
     Mix it in *before* the strategy class: ``class MyStrategy(DeterministicStrategyMixin, DDPStrategy)``.
@@ -95,35 +95,6 @@ class DeterministicStrategyMixin:
             self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
         self._ldet_eval_guard = UnevenEvalGuard()
         super().__init__(*args, **kwargs)
-
-    @property
-    def seed(self) -> int | None:
-        """The seed the user passed (``None`` if it is to be taken from ``PL_GLOBAL_SEED`` or drawn)."""
-        return self._ldet_steps.seed
-
-    @property
-    def debug_mode(self) -> str:
-        """The debug mode as a name: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``."""
-        return self._ldet_steps.debug_mode_name
-
-    @property
-    def base_seed(self) -> int | None:
-        """The base seed all ranks agreed on; ``None`` until the environment is set up."""
-        return self._ldet_steps.base_seed
-
-    @property
-    def local_seed(self) -> int | None:
-        """The seed of this rank's training-time streams.
-
-        ``base_seed + global_rank``, or with a topology the ``default`` seed of
-        :func:`~lightning_determinism.topology.stream_seeds`; ``None`` until the environment is set up.
-        """
-        return self._ldet_steps.local_seed
-
-    @property
-    def topology(self) -> Topology | None:
-        """The parallel topology of this rank (built at setup from the degrees given), or ``None``."""
-        return self._ldet_steps.topology
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
     @override
