@@ -12,10 +12,7 @@ weights; run it twice and every figure is the same. The corpus is generated here
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import subprocess
-import sys
 import tempfile
 
 import torch
@@ -25,7 +22,13 @@ from torch.utils.data import DataLoader
 torch.set_num_threads(1)  # one intra-op thread per process: two ranks on two cores
 
 import lightning as L  # noqa: E402
-from tiny_lm import build_data, weights_fingerprint  # noqa: E402  (the same corpus and fingerprint)
+from tiny_lm import (  # noqa: E402  (the same corpus, fingerprint and demo helpers)
+    build_data,
+    script_command,
+    show_seed_lines,
+    straight_and_resumed,
+    weights_fingerprint,
+)
 
 from lightning_determinism import (  # noqa: E402
     BaselineRecorder,
@@ -142,27 +145,12 @@ def train(args: argparse.Namespace) -> str:
 
 def resume_demo(args: argparse.Namespace) -> None:
     """The uninterrupted run, and one stopped after an epoch and resumed in a new process; both fingerprints."""
-    common = [sys.executable, __file__, "--epochs", str(args.epochs), "--seed", str(args.seed)]
-    common += ["--devices", str(args.devices), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-    common += ["--sentences", str(args.sentences)]
-    env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}  # two runs: a port each
-
-    def run(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(common + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    def fingerprint(process: subprocess.Popen) -> str:
-        out, err = process.communicate()
-        if process.returncode:
-            raise SystemExit(f"a phase of the resume demo failed:\n{err[-3000:]}")
-        return [line for line in out.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
-
     stop = max(1, args.epochs // 2)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "state.ckpt")
-        uninterrupted = run([])
-        fingerprint(run(["--save", path, "--stop-after-epoch", str(stop)]))
-        resumed = fingerprint(run(["--resume-from", path]))
-        straight = fingerprint(uninterrupted)
+        straight, resumed = straight_and_resumed(
+            script_command(__file__, args), ["--save", path, "--stop-after-epoch", str(stop)], ["--resume-from", path]
+        )
     print(f"uninterrupted {args.epochs} epochs:{'':22}{straight}")
     print(f"stopped after epoch {stop}, resumed: {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
@@ -173,10 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         resume_demo(args)
         return
-    ldet_log = logging.getLogger("lightning_determinism")  # each rank's seed line
-    ldet_log.setLevel(logging.INFO)
-    if not ldet_log.handlers:
-        ldet_log.addHandler(logging.StreamHandler(sys.stdout))
+    show_seed_lines()  # each rank's seed line
     train(args)
 
 

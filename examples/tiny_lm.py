@@ -176,24 +176,23 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def resume_demo(args: argparse.Namespace) -> None:
-    """The uninterrupted run and one stopped in the middle of an epoch, resumed in a new process; both fingerprints."""
-    import math
-    import subprocess
-    import tempfile
+def script_command(script: str, args: argparse.Namespace) -> list[str]:
+    """The command line that runs ``script`` again with the settings of ``args`` (for the resume demos)."""
+    command = [sys.executable, script, "--epochs", str(args.epochs), "--seed", str(args.seed)]
+    command += ["--devices", str(args.devices), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+    return command + ["--sentences", str(args.sentences)]
 
-    train_set, _, _ = build_data(sentences=args.sentences)
-    per_epoch = math.ceil(len(train_set) / args.devices / args.batch_size)
-    stop = (args.epochs // 2) * per_epoch + per_epoch // 2  # the middle of an epoch
-    common = [sys.executable, __file__, "--epochs", str(args.epochs), "--seed", str(args.seed)]
-    common += ["--devices", str(args.devices), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-    common += ["--sentences", str(args.sentences)]
+
+def straight_and_resumed(command: list[str], stop: list[str], resume: list[str]) -> tuple[str, str]:
+    """Fingerprints of an uninterrupted run and of one run with ``stop``, then resumed with ``resume`` in a new
+    process; the uninterrupted run goes side by side with the other two (they share nothing)."""
+    import subprocess
 
     # Two runs at once: each must pick its own rendezvous port, not share one inherited from this process.
     env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
 
     def start(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(common + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(command + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     def fingerprint(process: subprocess.Popen) -> str:
         out, err = process.communicate()
@@ -201,11 +200,34 @@ def resume_demo(args: argparse.Namespace) -> None:
             raise SystemExit(f"a phase of the resume demo failed:\n{err[-3000:]}")
         return [line for line in out.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
 
+    uninterrupted = start([])
+    fingerprint(start(stop))
+    resumed = fingerprint(start(resume))
+    return fingerprint(uninterrupted), resumed
+
+
+def show_seed_lines() -> None:
+    """Print the strategy's per-rank seed line (Lightning's own loggers are set up the same way)."""
+    ldet_log = logging.getLogger("lightning_determinism")
+    ldet_log.setLevel(logging.INFO)
+    if not ldet_log.handlers:
+        ldet_log.addHandler(logging.StreamHandler(sys.stdout))
+
+
+def resume_demo(args: argparse.Namespace) -> None:
+    """The uninterrupted run and one stopped in the middle of an epoch, resumed in a new process; both fingerprints."""
+    import math
+    import tempfile
+
+    train_set, _, _ = build_data(sentences=args.sentences)
+    per_epoch = math.ceil(len(train_set) / args.devices / args.batch_size)
+    stop = (args.epochs // 2) * per_epoch + per_epoch // 2  # the middle of an epoch
     with tempfile.TemporaryDirectory() as tmp:
-        uninterrupted = start([])  # side by side with the interrupted run: they share nothing
-        fingerprint(start(["--ckpt-dir", tmp, "--stop-at-step", str(stop)]))
-        resumed = fingerprint(start(["--resume-from", os.path.join(tmp, "last.ckpt")]))
-        straight = fingerprint(uninterrupted)
+        straight, resumed = straight_and_resumed(
+            script_command(__file__, args),
+            ["--ckpt-dir", tmp, "--stop-at-step", str(stop)],
+            ["--resume-from", os.path.join(tmp, "last.ckpt")],
+        )
     epoch, batch = divmod(stop, per_epoch)
     print(f"uninterrupted {_count(args.epochs, 'epoch')}:{'':33}{straight}")
     print(f"stopped after step {stop} (epoch {epoch}, batch {batch} of {per_epoch}), resumed: {resumed}")
@@ -217,11 +239,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.resume:
         resume_demo(args)
         return ""
-    # Show the strategy's per-rank seed line (Lightning's own loggers are set up the same way).
-    ldet_log = logging.getLogger("lightning_determinism")
-    ldet_log.setLevel(logging.INFO)
-    if not ldet_log.handlers:
-        ldet_log.addHandler(logging.StreamHandler(sys.stdout))
+    show_seed_lines()
 
     train_set, val_set, vocab_size = build_data(sentences=args.sentences)
     strategy: str | L.pytorch.strategies.Strategy = (
