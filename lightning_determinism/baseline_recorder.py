@@ -46,6 +46,7 @@ from lightning_determinism.baseline_file import (
 )
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.fingerprint import fingerprint
+from lightning_determinism.seeding import _rank_and_world_size
 
 
 class BaselineMismatch(RuntimeError):
@@ -57,7 +58,7 @@ def _distributed() -> bool:
 
 
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return _rank_and_world_size()[0]
 
 
 def _mean_over_ranks(value: float) -> float:
@@ -188,7 +189,7 @@ class BaselineRecorder:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             payload = {
                 "format": FORMAT,
-                "world_size": dist.get_world_size() if _distributed() else 1,
+                "world_size": _rank_and_world_size()[1],
                 "steps": self.records,
                 "report": determinism_report(),
             }

@@ -36,7 +36,7 @@ from lightning_determinism.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.rank_states import all_gather, check_ranks, digest, other_seed_message, verify_restored
 from lightning_determinism.resumable import make_fork_safe
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
-from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
+from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
 from lightning_determinism.worker_seeding import LoaderSeeding
@@ -241,7 +241,7 @@ class FabricRNGState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's state (collective: call it on every rank)."""
         ranks = check_ranks(state, FABRIC_STATE_KEY)
-        rank, world_size = _rank_and_world()
+        rank, world_size = _rank_and_world_size()
         if len(self.loaders) != len(ranks[0].get("loaders", [])):
             raise ValueError(
                 f"`{FABRIC_STATE_KEY}` was saved with {len(ranks[0].get('loaders', []))} loader(s) and is loaded"
@@ -278,14 +278,6 @@ class FabricRNGState:
                 if key in saved:
                     gen.set_state(saved[key])
         verify_restored(state, rank, digest(capture_rng_state()))
-
-
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 __all__ = [
