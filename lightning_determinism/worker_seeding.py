@@ -136,25 +136,10 @@ class LoaderSeeding:
         self._pending_states = dict(states)
         self._resume_key = resume_key
 
-    def reseed_existing(self, states: dict[str, torch.Tensor], resume_key: int | None = None) -> None:
-        """Apply ``states`` to generators that already exist, or re-derive them all with ``resume_key``."""
-        for key, generator in self.generators.items():
-            if resume_key is not None:
-                keys = (*self._seed_keys(key), "resume", resume_key)
-                generator.manual_seed(derive_seed(self.base_seed, self.rank, *keys))
-            elif key in states:
-                generator.set_state(states[key])
-
-    @staticmethod
-    def _seed_keys(key: str) -> tuple[int | str, ...]:
-        parts = key.split("/")  # "stage/n" or "stage/n/sampler"
-        kind = "sampler" if len(parts) == 3 else "loader"
-        return (kind, parts[0], int(parts[1]))
-
-    def _new_generator(self, key: str) -> torch.Generator:
+    def _new_generator(self, key: str, *seed_keys: int | str) -> torch.Generator:
         extra = () if self._resume_key is None else ("resume", self._resume_key)
         generator = torch.Generator()
-        generator.manual_seed(derive_seed(self.base_seed, self.rank, *self._seed_keys(key), *extra))
+        generator.manual_seed(derive_seed(self.base_seed, self.rank, *seed_keys, *extra))
         pending = self._pending_states.pop(key, None)
         if pending is not None:
             generator.set_state(pending)
@@ -186,14 +171,14 @@ class LoaderSeeding:
         dataloader.worker_init_fn = _SeedWorker(self.base_seed, self.rank, user_fn)
 
         if dataloader.generator is None or self._own_generators.get(dataloader) is dataloader.generator:
-            generator = self._new_generator(f"{stage}/{index}")
+            generator = self._new_generator(f"{stage}/{index}", "loader", stage, index)
             dataloader.generator = generator
             self._own_generators[dataloader] = generator
             sampler = dataloader.sampler
             if isinstance(sampler, RandomSampler) and (
                 sampler.generator is None or getattr(sampler, "_ldet_generator", False)
             ):
-                sampler.generator = self._new_generator(f"{stage}/{index}/sampler")
+                sampler.generator = self._new_generator(f"{stage}/{index}/sampler", "sampler", stage, index)
                 sampler._ldet_generator = True  # type: ignore[attr-defined]
         if self.per_sample:
             self._install_per_sample(dataloader, self.epoch if epoch is None else epoch)
