@@ -1,8 +1,10 @@
 """Record a 1-process numerical baseline, then check a 2-rank DDP run against it before trusting its speed.
 
-Both runs see the same global batch of 8 (one process: 8; DDP: 4 per rank, interleaved by the sampler), start from
-the same weights (built in ``configure_model`` under the deterministic strategies) and have no dropout, so they
-must agree up to the order of float sums in the gradient all-reduce.
+Both runs see the same global batch of 8 in each optimizer step: both use the DDP strategy, whose
+``DistributedSampler`` draws one permutation from the seed on any world size (rank r of W takes every W-th index),
+and the single process accumulates 2 batches of 4 where each of the 2 ranks takes one. They start from the same
+weights (built in ``configure_model`` under the deterministic strategies) and have no dropout, so they must agree up
+to the order of float sums in the gradient all-reduce.
 
     python examples/compare_single_vs_ddp.py [--out DIR] [--plot]
 """
@@ -15,13 +17,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 
-from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy  # noqa: E402
+from lightning_determinism import DeterministicDDPStrategy  # noqa: E402
 from lightning_determinism.callbacks.baseline import NumericalBaseline  # noqa: E402
 from lightning_determinism.cli import main as cli  # noqa: E402
 
@@ -44,33 +46,26 @@ class Regressor(L.LightningModule):
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(64, 16, generator=gen)
         y = x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(64, 1, generator=gen)
-        data = TensorDataset(x, y)
-        # Interleaved, unshuffled shards: rank r of 2 gets samples r, r+2, ..., so each DDP step's global batch is
-        # exactly the 1-process batch. (Lightning's own training sampler always shuffles.)
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def run(strategy, devices: int, batch_size: int, callback: NumericalBaseline, lr: float = 0.05) -> None:
-    model = Regressor(lr)
-    model.batch_size = batch_size
+def run(devices: int, callback: NumericalBaseline, lr: float = 0.05) -> None:
     trainer = L.Trainer(
-        strategy=strategy,
+        strategy=DeterministicDDPStrategy(seed=7, start_method="fork"),
         accelerator="cpu",
         devices=devices,
+        accumulate_grad_batches=2 // devices,  # 8 samples per optimizer step on 1 process and on 2
         max_steps=callback.steps,
         callbacks=[callback],
-        use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model)
+    trainer.fit(Regressor(lr))
 
 
 def main() -> int:
@@ -82,17 +77,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         single, ddp = out / "single.json", out / "ddp.json"
-        run(DeterministicSingleDeviceStrategy(seed=7), 1, 8, NumericalBaseline(single, steps=args.steps))
+        run(1, NumericalBaseline(single, steps=args.steps))
         # The check itself: compare mode raises at the first step beyond tolerance.
-        run(
-            DeterministicDDPStrategy(seed=7, start_method="fork"),
-            2,
-            4,
-            NumericalBaseline(single, steps=args.steps, mode="compare"),
-        )
+        run(2, NumericalBaseline(single, steps=args.steps, mode="compare"))
         print("2-rank DDP run matches the 1-process baseline within the default tolerances")
         # A record of the DDP run, for the side-by-side table (and the plot).
-        run(DeterministicDDPStrategy(seed=7, start_method="fork"), 2, 4, NumericalBaseline(ddp, steps=args.steps))
+        run(2, NumericalBaseline(ddp, steps=args.steps))
         argv = ["compare", str(single), str(ddp)]
         if args.plot:
             argv += ["--plot", str(Path(args.out or ".") / "compare.png")]

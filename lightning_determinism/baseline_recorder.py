@@ -45,6 +45,7 @@ from lightning_determinism.baseline_file import (
     quantities,
 )
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, normalize, zero_limbs
 from lightning_determinism.fingerprint import fingerprint
 from lightning_determinism.seeding import _rank_and_world_size
 
@@ -61,14 +62,20 @@ def _rank() -> int:
     return _rank_and_world_size()[0]
 
 
-def _mean_over_ranks(value: float) -> float:
+def _exact_mean_over_ranks(limbs: torch.Tensor, count: int, unusable: int) -> float:
+    """The mean of every rank's terms from each rank's exact sum and counts: the same bits on any world size.
+
+    NaN when a rank had no term, or a term that was not finite or too large for the exact sum.
+    """
+    totals = torch.cat((limbs, torch.tensor([count, unusable], dtype=torch.int64)))
     if _distributed():
-        t = torch.tensor([value], dtype=torch.float64)
         if dist.get_backend() == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t)
-        return float(t.item()) / dist.get_world_size()
-    return value
+            totals = totals.cuda()
+        dist.all_reduce(totals)  # int64: exact in any order
+        totals = totals.cpu()
+    if int(totals[4]) > 0:
+        return float("nan")
+    return exact_mean(normalize(totals[:3]), totals[3])
 
 
 class BaselineRecorder:
@@ -85,8 +92,11 @@ class BaselineRecorder:
             is always a mismatch).
 
     Call :meth:`before_optimizer_step` after the backward pass (and DDP's all-reduce), :meth:`after_optimizer_step`
-    after the step, on every rank; :meth:`finish` at the end. The loss is the mean of the ranks' losses (one process
-    on the global batch == DDP on its shards). In ``"compare"`` mode a run that matches says so once, on rank 0.
+    after the step, on every rank; :meth:`finish` at the end. The recorded loss of a step is the mean of the losses of
+    all its micro-batches on all ranks: give each micro-batch's loss to :meth:`add_loss` (under gradient
+    accumulation), or the step's only one to :meth:`after_optimizer_step`. The mean is taken from exact sums
+    (:mod:`~lightning_determinism.exact`), so one process on the global batch and DDP on its shards record the same
+    bits when their micro-batch losses are the same. In ``"compare"`` mode a run that matches says so once, on rank 0.
 
     Examples:
         >>> BaselineRecorder("baseline.json", steps=3, mode="record").steps
@@ -123,6 +133,7 @@ class BaselineRecorder:
         self._mismatched_steps: list[int] = []
         self._reference: list[dict[str, Any]] | None = None
         self._current: dict[str, Any] = {}
+        self._reset_loss()
         self._warned = False
         self._owner = type(self).__name__
 
@@ -131,6 +142,7 @@ class BaselineRecorder:
         self.records = []
         self._mismatched_steps = []
         self._current = {}
+        self._reset_loss()
         if self.mode == "compare":
             self._reference = load_baseline(self.path)["steps"]
 
@@ -154,13 +166,44 @@ class BaselineRecorder:
             "grad_norms": norms,
         }
 
-    def after_optimizer_step(self, module: torch.nn.Module, loss: torch.Tensor | float) -> None:
-        """Take the loss and the parameters after the step; compare, or write the file after the last step."""
+    def _reset_loss(self) -> None:
+        self._loss_sum = zero_limbs()
+        self._loss_count = 0
+        self._loss_unusable = 0  # non-finite, or too large for the exact sum: the step's loss is recorded as NaN
+
+    def add_loss(self, loss: torch.Tensor | float) -> None:
+        """Count one micro-batch's loss (not divided by the accumulation) towards the loss of the coming step.
+
+        Examples:
+            >>> recorder = BaselineRecorder("baseline.json", steps=1)
+            >>> recorder.add_loss(0.5)
+            >>> recorder.add_loss(torch.tensor(0.25))
+        """
+        if not self.recording:
+            return
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().double().reshape(-1).cpu()
+        else:
+            value = torch.tensor([float(loss)], dtype=torch.float64)  # a Python float is a double: keep every bit
+        usable = torch.isfinite(value) & (value.abs() < TERM_LIMIT)
+        self._loss_sum = normalize(self._loss_sum + exact_sum(value[usable]))
+        self._loss_count += int(usable.sum())
+        self._loss_unusable += int((~usable).sum())
+
+    def after_optimizer_step(self, module: torch.nn.Module, loss: torch.Tensor | float | None = None) -> None:
+        """Take the loss and the parameters after the step; compare, or write the file after the last step.
+
+        Args:
+            module: the model (its parameters are recorded).
+            loss: one more micro-batch loss of this step (as for :meth:`add_loss`), e.g. the step's only one.
+        """
+        if loss is not None:
+            self.add_loss(loss)
         if not self.recording or not self._current:
             return
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         record = dict(self._current)
-        record["loss"] = _mean_over_ranks(value)
+        record["loss"] = _exact_mean_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable)
+        self._reset_loss()
         record["param_norms"] = {name: float(p.detach().double().norm()) for name, p in module.named_parameters()}
         record["param_fingerprints"] = {name: fingerprint(p) for name, p in module.named_parameters()}
         self._current = {}

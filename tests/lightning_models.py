@@ -344,18 +344,26 @@ class NoisyPoints(Dataset):
 class InvariantModule(L.LightningModule):
     """Dropout, shuffled data augmented in workers, Adam with a step scheduler; records what must not depend on W."""
 
-    def __init__(self, out_dir: str, n: int = 64, micro_batch_size: int = 4, workers: int = 2) -> None:
+    def __init__(
+        self,
+        out_dir: str,
+        n: int = 64,
+        micro_batch_size: int = 4,
+        workers: int = 2,
+        dropout: float = 0.2,
+    ) -> None:
         super().__init__()
         from lightning_determinism import DistributedMean
 
         self.out_dir, self.n, self.micro_batch_size, self.workers = out_dir, n, micro_batch_size, workers
+        self.dropout = dropout
         self.net = None
         self.train_loss = DistributedMean()
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if self.net is None:
-            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 1))
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(self.dropout), nn.Linear(32, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

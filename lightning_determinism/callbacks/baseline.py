@@ -1,8 +1,10 @@
 """NumericalBaseline: record the first steps of a Trainer run, or check a run against such a record.
 
 The Trainer's form of :class:`~lightning_determinism.baseline_recorder.BaselineRecorder` (see there for the method
-and the file format): gradient norms are taken after DDP's all-reduce, just before the optimizer step; the loss,
-parameter norms and fingerprints just after it.
+and the file format): gradient norms are taken after DDP's all-reduce, just before the optimizer step; parameter
+norms and fingerprints just after it. The loss of a step is the mean of the losses of all its micro-batches (every
+batch of the accumulation window) on all ranks, from exact sums: the same bits on any world size when the
+micro-batch losses are the same.
 """
 
 from __future__ import annotations
@@ -52,9 +54,15 @@ class NumericalBaseline(BaselineRecorder, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.recording or not self._current:
+        if not self.recording:
             return
-        self.after_optimizer_step(pl_module, outputs["loss"] if isinstance(outputs, dict) else outputs)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            # Lightning divides the loss by `accumulate_grad_batches` (exact for the powers of two that invariant
+            # mode uses); the step's loss is the mean of the undivided micro-batch losses on all ranks.
+            self.add_loss(loss.detach().double() * trainer.accumulate_grad_batches)
+        if self._current:  # this batch completed an optimizer step
+            self.after_optimizer_step(pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -8,7 +8,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, WorkerSeedCallback
+from lightning_determinism import (
+    DeterministicDDPStrategy,
+    DeterministicSingleDeviceStrategy,
+    NumericalBaseline,
+    WorkerSeedCallback,
+    compare_baselines,
+    load_baseline,
+)
 from lightning_determinism.invariant import InvariantSampler, InvariantTraining
 from tests.lightning_models import InvariantModule, quiet_trainer
 
@@ -17,16 +24,20 @@ pytestmark = pytest.mark.distributed
 INVARIANT = {"global_batch_size": 16, "micro_batch_size": 4}
 
 
-def _fit(out, strategy, devices, workers=2, ckpt=None, save_every_step=False, **trainer_kwargs):
+def _fit(
+    out, strategy, devices, workers=2, ckpt=None, save_every_step=False, baseline=False, module=None, **trainer_kwargs
+):
     out.mkdir(parents=True, exist_ok=True)
     callbacks = [WorkerSeedCallback(per_sample=True)]
+    if baseline:
+        callbacks.append(NumericalBaseline(out / "baseline.json", steps=6))  # past the first epoch (4 steps)
     if save_every_step:
         callbacks.append(ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}"))
     trainer = quiet_trainer(
         strategy, devices, max_epochs=3, gradient_clip_val=0.5, callbacks=callbacks,
         enable_checkpointing=save_every_step, **trainer_kwargs,
     )  # fmt: skip
-    trainer.fit(InvariantModule(str(out), workers=workers), ckpt_path=ckpt)
+    trainer.fit(module or InvariantModule(str(out), workers=workers), ckpt_path=ckpt)
     return torch.load(out / "invariant.pt", weights_only=True)
 
 
@@ -47,7 +58,7 @@ def assert_bitwise(a, b):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariant")
-    results = {w: _fit(root / f"w{w}", _ddp(**INVARIANT), w, save_every_step=w == 2) for w in (1, 2, 4)}
+    results = {w: _fit(root / f"w{w}", _ddp(**INVARIANT), w, save_every_step=w == 2, baseline=True) for w in (1, 2, 4)}
     return root, results
 
 
@@ -57,6 +68,20 @@ def test_one_two_and_four_processes_give_the_same_bits(runs):
     assert_bitwise(results[1], results[4])
     assert results[1]["losses"] == results[2]["losses"] == results[4]["losses"]  # the synced, logged loss
     assert len(results[1]["losses"]) == 3
+
+
+def test_baselines_of_one_two_and_four_processes_compare_equal_bitwise(runs):
+    root, results = runs
+    files = {w: load_baseline(root / f"w{w}" / "baseline.json") for w in (1, 2, 4)}
+    for w in (2, 4):
+        out = compare_baselines(files[1], files[w], rtol=0.0, atol=0.0)
+        assert out["first"] is None, out["first"]
+        assert all(row["bitwise_params"] for row in out["rows"]) and len(out["rows"]) == 6
+        assert [s["loss"] for s in files[1]["steps"]] == [s["loss"] for s in files[w]["steps"]]
+    # The recorded loss is the step's: the mean over its 4 micro-batches of m=4 samples, i.e. over its 16 samples.
+    # An independent reference: the epoch means (DistributedMean over every sample) of the same run.
+    first_epoch = sum(s["loss"] for s in files[1]["steps"][:4]) / 4
+    assert abs(first_epoch - float.fromhex(results[1]["losses"][0])) < 1e-6 * abs(first_epoch)
 
 
 def test_a_single_device_strategy_gives_the_same_bits(runs, tmp_path):
@@ -79,6 +104,24 @@ def test_plain_deterministic_ddp_is_not_invariant(tmp_path):
     one = _fit(tmp_path / "w1", _ddp(), 1, workers=0, accumulate_grad_batches=4)
     two = _fit(tmp_path / "w2", _ddp(), 2, workers=0, accumulate_grad_batches=2)
     assert any(not torch.equal(one["params"][k], two["params"][k]) for k in one["params"])
+
+
+def test_plain_ddp_baselines_compare_equal_to_one_process_with_the_same_global_batches(tmp_path):
+    # Accumulation 4 on one process against 2 on each of two, both under the DDP strategy: Lightning's
+    # DistributedSampler draws one permutation from the seed whatever the world size, and rank r takes every W-th
+    # index, so each optimizer step sees the same 16 samples. The recorded loss is the step's mean over all
+    # micro-batches and ranks, so the runs compare equal within the default tolerance (DDP sums in float: not bitwise).
+    def module(out):
+        return InvariantModule(str(out), workers=0, dropout=0.0)
+
+    _fit(tmp_path / "w1", _ddp(), 1, baseline=True, module=module(tmp_path / "w1"), accumulate_grad_batches=4)
+    _fit(tmp_path / "w2", _ddp(), 2, baseline=True, module=module(tmp_path / "w2"), accumulate_grad_batches=2)
+    one, two = (load_baseline(tmp_path / w / "baseline.json") for w in ("w1", "w2"))
+    out = compare_baselines(one, two, rtol=1e-4, atol=1e-6)
+    assert out["first"] is None, out["first"]
+    # The losses agree to float rounding, far closer than a micro-batch's loss would (what was recorded before).
+    for a, b in zip(one["steps"], two["steps"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
 
 
 def test_the_setup_says_once_what_it_fixed(tmp_path, caplog):
