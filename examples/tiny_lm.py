@@ -30,6 +30,28 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+
+def quiet_lightning_noise() -> None:
+    """Keep two of Lightning's lines that say nothing about this run out of the output (every rank would print them).
+
+    A FutureWarning from torch's pytree about Lightning's own use of ``LeafSpec`` (Lightning 2.6 with torch >= 2.10),
+    and the "litlogger" advertisement printed by every Trainer. Everything else Lightning says is left alone.
+    """
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+
+    class _NoAdvert(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "litlogger" not in record.getMessage()
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvert())
+
+
+quiet_lightning_noise()  # at import: the popen launcher runs this file again for every rank
+
 from lightning_determinism import (  # noqa: E402  (importing registers the strategies)
     DeterministicDDPStrategy,
     DeterministicSingleDeviceStrategy,

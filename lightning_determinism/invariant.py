@@ -217,27 +217,41 @@ class InvariantTraining:
         return {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
                 "micro_batches_per_rank": self.per_rank}  # fmt: skip
 
-    def setup_environment(self, rank: int, world_size: int, base_seed: int) -> None:
-        """Ranks are known: check the world size, pin the threads."""
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a world size that does not split the step's micro-batches evenly into a power-of-two tree."""
         if world_size not in valid_world_sizes(self.micro_batches):
             raise ValueError(
                 f"world-size-invariant training with B={self.global_batch_size} and m={self.micro_batch_size}"
                 f" ({self.micro_batches} micro-batches per step) runs on {valid_world_sizes(self.micro_batches)}"
                 f" processes, got {world_size}"
             )
+
+    def check_accumulation(self, accumulate_grad_batches: int, world_size: int) -> None:
+        """Refuse an ``accumulate_grad_batches`` other than 1 (unset) or ``K = B / (m * W)``."""
+        per_rank = self.micro_batches // world_size
+        if accumulate_grad_batches not in (1, per_rank):
+            raise ValueError(
+                f"`accumulate_grad_batches={accumulate_grad_batches}` contradicts world-size-invariant training, which"
+                f" accumulates B / (m * W) = {self.global_batch_size} / ({self.micro_batch_size} * {world_size})"
+                f" = {per_rank} micro-batches per process: leave it out of the Trainer"
+            )
+
+    def check_before_launch(self, world_size: int, accumulate_grad_batches: int, module: torch.nn.Module) -> None:
+        """Every check that the main process can make before it starts the ranks: a refusal is then said once."""
+        self.check_world_size(world_size)
+        self.check_accumulation(accumulate_grad_batches, world_size)
+        self.check_module(module)
+
+    def setup_environment(self, rank: int, world_size: int, base_seed: int) -> None:
+        """Ranks are known: check the world size, pin the threads."""
+        self.check_world_size(world_size)
         self.rank, self.world_size, self.base_seed = rank, world_size, base_seed
         torch.set_num_threads(self.threads)
         self._groups = pair_groups(world_size) if world_size > 1 else []
 
     def setup(self, trainer: Any) -> None:
         """Before the optimizers exist: set (or check) gradient accumulation to ``K``."""
-        current = trainer.accumulate_grad_batches
-        if current not in (1, self.per_rank):
-            raise ValueError(
-                f"`accumulate_grad_batches={current}` contradicts world-size-invariant training, which accumulates"
-                f" B / (m * W) = {self.global_batch_size} / ({self.micro_batch_size} * {self.world_size})"
-                f" = {self.per_rank} micro-batches per process: leave it out of the Trainer"
-            )
+        self.check_accumulation(trainer.accumulate_grad_batches, self.world_size)
         trainer.accumulate_grad_batches = self.per_rank
         self._tree = None
         self._passes_in_window = 0

@@ -98,6 +98,7 @@ class CleanExitLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        check_before_launch(self._strategy, trainer, args)  # type: ignore[attr-defined]
         self._ldet_parent_pid = os.getpid()  # read by the ranks: forked memory, or pickled with the launcher
         threads = running_threads()
         self._ldet_single_thread = (
@@ -164,6 +165,16 @@ class _Stopped:
 class ParentTrackingScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's popen launcher whose child scripts learn the pid of the process that started them."""
 
+    def __init__(self, *args: Any, strategy: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ldet_strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally:  # only the main process: not a child script
+            check_before_launch(self._ldet_strategy, trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
     @override
     def _call_children_scripts(self) -> None:
         os.environ[PARENT_PID_ENV] = str(os.getpid())
@@ -171,6 +182,13 @@ class ParentTrackingScriptLauncher(_SubprocessScriptLauncher):
             super()._call_children_scripts()
         finally:
             os.environ.pop(PARENT_PID_ENV, None)
+
+
+def check_before_launch(strategy: Any, trainer: Any, args: tuple[Any, ...]) -> None:
+    """Let the strategy refuse a configuration in the main process, before the ranks exist (``args[0]``: the model)."""
+    check = getattr(strategy, "check_before_launch", None)
+    if check is not None and trainer is not None:
+        check(trainer, args[0] if args else None)
 
 
 def adopt_parent_from_env() -> None:
@@ -185,7 +203,9 @@ def replace_launcher(launcher: Any, strategy: Any) -> Any:
     if type(launcher) is _MultiProcessingLauncher:
         return CleanExitLauncher(strategy, start_method=launcher._start_method)
     if type(launcher) is _SubprocessScriptLauncher:
-        return ParentTrackingScriptLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+        return ParentTrackingScriptLauncher(
+            launcher.cluster_environment, launcher.num_processes, launcher.num_nodes, strategy=strategy
+        )
     return launcher
 
 
@@ -194,6 +214,7 @@ __all__ = [
     "CleanExitLauncher",
     "ParentTrackingScriptLauncher",
     "adopt_parent_from_env",
+    "check_before_launch",
     "destroy_gloo_group",
     "destroy_gloo_group_at_exit",
     "die_with_parent",

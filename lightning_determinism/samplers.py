@@ -9,6 +9,7 @@ that sampler for :class:`UnpaddedDistributedSampler`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +48,45 @@ class UnpaddedDistributedSampler(DistributedSampler):
         else:
             indices = list(range(total))
         return iter(indices[self.rank : total : self.num_replicas])
+
+
+# Lightning warns, before any strategy sees the loader, that evaluating on several devices repeats samples. The
+# deterministic strategies then swap in UnpaddedDistributedSampler, which makes that warning false.
+_PADDING_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\.(validate|test)\(\)`"
+
+
+class PaddingWarningFilter:
+    """While installed, hide Lightning's "replicates some samples" warning (and only it); ``remove()`` undoes it.
+
+    Examples:
+        >>> import warnings
+        >>> quiet = PaddingWarningFilter()
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     quiet.install()
+        ...     warnings.warn("Using `DistributedSampler` with the dataloaders. During `trainer.validate()`, ...")
+        ...     quiet.remove()
+        >>> seen
+        []
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple[Any, ...] | None = None
+
+    def install(self) -> None:
+        """Put the filter first among ``warnings.filters`` (once, however often it is called)."""
+        if self._entry is None:
+            warnings.filterwarnings("ignore", message=_PADDING_WARNING)
+            self._entry = warnings.filters[0]
+
+    def remove(self) -> None:
+        """Take this filter out again, leaving every other one as it is."""
+        if self._entry is not None and self._entry in warnings.filters:
+            warnings.filters.remove(self._entry)
+            mutated = getattr(warnings, "_filters_mutated", None)  # forget what the removed filter decided
+            if mutated is not None:
+                mutated()
+        self._entry = None
 
 
 def unpad_eval_dataloader(dataloader: object) -> object:
@@ -162,4 +202,10 @@ def trainer_of(module: Any) -> Any:
     return getattr(module, "_trainer", None)
 
 
-__all__ = ["UnevenEvalGuard", "UnpaddedDistributedSampler", "eval_batch_counts", "unpad_eval_dataloader"]
+__all__ = [
+    "PaddingWarningFilter",
+    "UnevenEvalGuard",
+    "UnpaddedDistributedSampler",
+    "eval_batch_counts",
+    "unpad_eval_dataloader",
+]

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
-from lightning_determinism.samplers import UnevenEvalGuard, trainer_of, unpad_eval_dataloader
+from lightning_determinism.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
 
@@ -94,6 +94,7 @@ class DeterministicStrategyMixin(SeedingProperties):
                 raise ValueError("world-size-invariant training is data-parallel only: pass no `topology`")
             self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
         self._ldet_eval_guard = UnevenEvalGuard()
+        self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
         super().__init__(*args, **kwargs)
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
@@ -102,6 +103,22 @@ class DeterministicStrategyMixin(SeedingProperties):
         super()._configure_launcher()  # type: ignore[misc]
         launcher = getattr(self, "_launcher", None)
         setattr(self, "_launcher", replace_launcher(launcher, self))  # noqa: B010  (the base class owns the attribute)
+        if self.invariant is not None:  # in the main process, before any rank exists: refused once, not per rank
+            self.invariant.check_world_size(self._ldet_planned_world_size())
+
+    def _ldet_planned_world_size(self) -> int:
+        devices = getattr(self, "parallel_devices", None)
+        return int(getattr(self, "num_nodes", 1)) * (len(devices) if devices else 1)
+
+    def check_before_launch(self, trainer: pl.Trainer, module: Any) -> None:
+        """The invariant mode's checks that the main process can make before the launcher starts the ranks.
+
+        Called by the package's launchers (and by ``setup`` where none launches); a refusal is then one error in one
+        process instead of a traceback from every rank.
+        """
+        if self.invariant is not None and trainer.state.fn == "fit" and module is not None:
+            world_size = self._ldet_planned_world_size()
+            self.invariant.check_before_launch(world_size, trainer.accumulate_grad_batches, module)
 
     @override
     def setup_environment(self) -> None:  # type: ignore[misc]
@@ -109,6 +126,7 @@ class DeterministicStrategyMixin(SeedingProperties):
         super().setup_environment()  # type: ignore[misc]
         destroy_gloo_group_at_exit()
         self._add_rng_checkpoint()
+        self._ldet_padding_warning.install()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
         invariant = self.invariant
@@ -168,6 +186,7 @@ class DeterministicStrategyMixin(SeedingProperties):
     def teardown(self) -> None:  # type: ignore[misc]
         super().teardown()  # type: ignore[misc]
         self._ldet_steps.restore_env()
+        self._ldet_padding_warning.remove()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,15 @@ class PerplexityModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.table[input_ids]
 
+    def setup(self, stage: str) -> None:
+        # Every warning this rank shows from here on (the loaders are built after setup), into its record.
+        self._catcher = warnings.catch_warnings(record=True)
+        self.warned = self._catcher.__enter__()
+        warnings.filterwarnings("always", append=True)  # after the filters already there: they still decide first
+
+    def teardown(self, stage: str) -> None:
+        self._catcher.__exit__(None, None, None)
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.seen.append(int(batch["input_ids"].shape[0]))
         self.val_ppl.update(self(batch["input_ids"]), batch["labels"])
@@ -197,6 +207,7 @@ class PerplexityModule(L.LightningModule):
             "ppl": float(self.trainer.callback_metrics["val/ppl"]),
             "seen": self.seen,
             "dtypes": [str(self.val_ppl.nll_sum.dtype), str(getattr(self.val_ppl, "count", self.table).dtype)],
+            "warnings": [str(w.message) for w in self.warned],
         }
         (Path(self.out_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
 

@@ -34,7 +34,9 @@ SMALL = ("--sentences", "500")  # a smaller corpus than the README's run: the sa
 @pytest.mark.distributed
 def test_tiny_lm_gives_one_fingerprint_with_and_without_workers():
     # Two processes, and two settings that must not matter: reproducible across runs, independent of the workers.
-    with_workers = _run("--epochs", "1", "--workers", "2", *SMALL)
+    with_workers = _run("--epochs", "1", "--workers", "2", *SMALL, with_stderr=True)
+    for noise in ("LeafSpec", "litlogger", "weights_only", "replicates some samples", "Traceback"):
+        assert noise not in with_workers, noise
     in_process = _run("--epochs", "1", "--workers", "0", *SMALL)
     prints = [re.findall(r"weights sha256: ([0-9a-f]{64})", out) for out in (with_workers, in_process)]
     assert len(prints[0]) == 1 and prints[0] == prints[1]

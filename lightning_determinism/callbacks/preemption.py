@@ -117,7 +117,7 @@ class PreemptionCheckpoint(Callback):
             trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
         else:
             self.path = self._target(trainer)
-            trainer.save_checkpoint(self.path)  # every rank takes part; rank 0 writes
+            trainer.save_checkpoint(self.path, weights_only=False)  # every rank takes part; rank 0 writes
         rank_zero_info(
             f"Preempted by signal {signum}: checkpoint at step {trainer.global_step} written to {self.path};"
             f" resume with trainer.fit(..., ckpt_path={str(self.path)!r}). Exiting with status {self.exit_code}."

@@ -156,6 +156,35 @@ def test_a_world_size_that_does_not_split_the_step_is_refused():
         InvariantTraining(16, 4).setup_environment(0, 3, 0)
 
 
+def test_a_wrong_world_size_is_refused_once_in_the_main_process_when_the_trainer_is_built():
+    import lightning as L
+
+    with pytest.raises(ValueError, match=r"runs on \[1, 2, 4\] processes, got 3"):
+        L.Trainer(strategy=_ddp(**INVARIANT), accelerator="cpu", devices=3)
+
+
+class _BatchNormModule(InvariantModule):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # built here, not in configure_model: the main process can see it
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+
+@pytest.mark.parametrize(
+    ("module", "trainer_kwargs", "match"),
+    [
+        (InvariantModule, {"accumulate_grad_batches": 3}, r"`accumulate_grad_batches=3` contradicts"),
+        (_BatchNormModule, {}, r"cannot keep batch-norm running statistics invariant: `net.1`"),
+    ],
+    ids=["accumulation", "batch-norm"],
+)
+def test_refusals_known_before_launch_are_raised_by_the_main_process(tmp_path, module, trainer_kwargs, match):
+    # A rank's failure would come back from the fork launcher as a ProcessRaisedException after every rank printed
+    # its traceback; a plain ValueError means the main process refused before starting any rank.
+    trainer = quiet_trainer(_ddp(**INVARIANT), 2, max_epochs=1, **trainer_kwargs)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module(str(tmp_path), workers=0))
+
+
 def test_a_dataset_length_the_global_batch_does_not_divide_is_refused():
     with pytest.raises(ValueError, match=r"got 60 samples for B=16 \(12 left over\)"):
         InvariantSampler(60, 16, 4, world_size=2, rank=0, seed=0)

@@ -84,6 +84,11 @@ def test_two_ranks_on_seven_samples_equal_one_rank(tmp_path):
         assert record["dtypes"] == ["torch.float64", "torch.int64"]
     # The difference Lightning's default makes: a repeated sample changes the distributed perplexity.
     assert not math.isclose(lightning_default[0]["ppl"], single["ppl"], rel_tol=1e-6)
+    # Lightning warns that validation on several devices repeats samples: true for its sampler, false for ours,
+    # and our strategies keep that one false line from the user.
+    replicates = "replicates some samples"
+    assert any(replicates in w for w in lightning_default[0]["warnings"])
+    assert not any(replicates in w for record in ours for w in record["warnings"])
 
 
 def _evaluate_shard(rank, world_size, out_dir, batch_size, compile):
