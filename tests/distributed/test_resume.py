@@ -124,7 +124,7 @@ def test_swapped_rank_states_are_detected(runs):
 
 
 def test_sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise(runs, tmp_path):
-    env = CONFIGS["2-ranks-in-process-data"][0]
+    env = {**CONFIGS["2-ranks-in-process-data"][0], "PREEMPT_AT_STEP": "3"}
     out = tmp_path / "preempt"
     out.mkdir()
     proc = subprocess.Popen(
@@ -134,9 +134,9 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise(runs, 
         text=True,
         env=child_env(**env),
     )
+    # Hand-shake: each rank writes ready<rank> at step 3 and then waits there until the signal has arrived.
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    at_step = out / "at_step"
-    while not (at_step.exists() and at_step.read_text().strip() and int(at_step.read_text()) >= 3):
+    while not all((out / f"ready{rank}").exists() for rank in (0, 1)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # to the main process only: it forwards the signal to the forked ranks
@@ -144,10 +144,9 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise(runs, 
     assert proc.returncode == 0, output[-4000:]
     assert "Preempted by signal 15" in output and (out / "preempted.ckpt").exists()
     saved = torch.load(out / "preempted.ckpt", weights_only=True)
-    k = int(saved["global_step"])
-    assert 3 <= k < 9  # stopped at a step boundary, before the end
-    ok("resume", tmp_path / "after", out / "preempted.ckpt", env=env)
-    assert_continues(result(runs / "2-ranks-in-process-data" / "straight"), result(tmp_path / "after" / "preempted"), k)
+    assert int(saved["global_step"]) == 4  # the step that was running when the signal came, completed
+    ok("resume", tmp_path / "after", out / "preempted.ckpt", env=CONFIGS["2-ranks-in-process-data"][0])
+    assert_continues(result(runs / "2-ranks-in-process-data" / "straight"), result(tmp_path / "after" / "preempted"), 4)
 
 
 def _restore_rank_zero_everywhere(rank, world_size):

@@ -28,7 +28,9 @@ class Blocking(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = self.layer(batch).square().mean()  # a multi-threaded op where the fork hang happened
-        Path(self.out, f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
+        pid_file = Path(self.out, f"rank{self.global_rank}.pid")
+        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        pid_file.with_suffix(".tmp").replace(pid_file)  # appears whole: the test reads it as soon as it exists
         time.sleep(600)  # stand-in for a rank stuck in a collective
         return loss
 
@@ -48,7 +50,9 @@ if __name__ == "__main__":
     else:
         strategy, devices = "ddp_deterministic", 2
     if "LOCAL_RANK" not in os.environ:  # the popen launcher's child script runs this file again
-        Path(out, "main.pid").write_text(str(os.getpid()))
+        main_file = Path(out, "main.pid")
+        main_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        main_file.with_suffix(".tmp").replace(main_file)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

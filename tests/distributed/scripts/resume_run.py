@@ -3,6 +3,8 @@
 python resume_run.py straight OUT              # the whole run, ModelCheckpoint(every_n_train_steps=1): step=K.ckpt
 python resume_run.py resume OUT CKPT...        # for each CKPT in turn: a new Trainer resumes it to the end
 python resume_run.py preempt OUT               # the whole run under PreemptionCheckpoint; the test sends SIGTERM
+                                               # once every rank wrote OUT/ready<rank> at PREEMPT_AT_STEP, where
+                                               # the ranks wait for the signal: no race with the end of the run
 
 Environment: DEVICES (1 or 2 gloo ranks, fork), WORKERS (0 or 2), SHUFFLE (1 or 0), PERSIST (persistent workers),
 PERSAMPLE (WorkerSeedCallback(per_sample=True); without it no WorkerSeedCallback), ACCUM (accumulate_grad_batches),
@@ -73,9 +75,23 @@ class Net(L.LightningModule):
         self.log("train/loss", synced)
         if not self.trainer.fit_loop._should_accumulate():
             self.losses[int(self.trainer.global_step) + 1] = float(synced).hex()  # the step this batch completes
-        step_file = Path(self.out) / "at_step"
-        step_file.write_text(str(self.trainer.global_step))
+        if os.environ.get("PREEMPT_AT_STEP") and self.trainer.global_step == int(os.environ["PREEMPT_AT_STEP"]):
+            self._wait_for_the_signal()
         return loss
+
+    def _wait_for_the_signal(self) -> None:
+        """The hand-shake with the test: say this rank reached the step, then hold it there until SIGTERM arrived."""
+        import time
+
+        preemption = next(cb for cb in self.trainer.callbacks if isinstance(cb, PreemptionCheckpoint))
+        ready = Path(self.out) / f"ready{self.global_rank}"
+        ready.with_suffix(".tmp").write_text(str(os.getpid()))
+        ready.with_suffix(".tmp").replace(ready)  # appears whole
+        deadline = time.monotonic() + 300
+        while preemption.received is None:  # set by the callback's signal handler
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.global_rank}: no signal within 300 s of reaching the step")
+            time.sleep(0.01)
 
     def train_dataloader(self):
         persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
