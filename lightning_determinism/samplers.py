@@ -20,12 +20,18 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_determinism.isolation import current_evaluation_pass
+from lightning_determinism.seeding import derive_seed
+
 
 class UnpaddedDistributedSampler(DistributedSampler):
     """A ``DistributedSampler`` that gives rank ``r`` the indices ``r, r + world, r + 2 * world, ...`` and no padding.
 
-    Shuffling, when asked for, uses the same ``seed + epoch`` permutation as ``DistributedSampler``. Ranks may get
-    one sample more or less than each other: fine for evaluation, not for training under DDP.
+    Shuffling, when asked for, uses the same ``seed + epoch`` permutation as ``DistributedSampler``; inside an
+    evaluation pass of the deterministic strategies (:func:`~lightning_determinism.isolation.evaluation_streams`)
+    the permutation comes from ``(seed, stage, epoch, step)`` instead, so that two passes in one epoch read two
+    orders, as a shuffled loader on one device does. Ranks may get one sample more or less than each other: fine for
+    evaluation, not for training under DDP.
 
     Examples:
         >>> [list(UnpaddedDistributedSampler(range(7), num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]
@@ -43,7 +49,11 @@ class UnpaddedDistributedSampler(DistributedSampler):
         total = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
+            evaluation = current_evaluation_pass()
+            if evaluation is None:
+                generator.manual_seed(self.seed + self.epoch)
+            else:  # a new order for every evaluation pass, agreed by all ranks (Lightning #17843)
+                generator.manual_seed(derive_seed(self.seed, "evaluation-order", *evaluation))
             indices = torch.randperm(total, generator=generator).tolist()
         else:
             indices = list(range(total))

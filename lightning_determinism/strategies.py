@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
+from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
 from lightning_determinism.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
@@ -95,6 +96,7 @@ class DeterministicStrategyMixin(SeedingProperties):
             self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
         self._ldet_eval_guard = UnevenEvalGuard()
         self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
+        self._ldet_isolation = EvaluationIsolation(self._ldet_steps)  # evaluation never moves training's streams
         super().__init__(*args, **kwargs)
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
@@ -160,6 +162,7 @@ class DeterministicStrategyMixin(SeedingProperties):
             self.invariant.check_module(trainer.lightning_module)
         super().setup(trainer)  # type: ignore[misc]
         self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]
+        self._ldet_isolation.attach(trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
@@ -187,6 +190,7 @@ class DeterministicStrategyMixin(SeedingProperties):
         super().teardown()  # type: ignore[misc]
         self._ldet_steps.restore_env()
         self._ldet_padding_warning.remove()
+        self._ldet_isolation.detach()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]

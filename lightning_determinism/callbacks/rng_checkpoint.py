@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_determinism import elastic
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.isolation import training_rng_state
 from lightning_determinism.rank_states import all_gather as _all_gather
 from lightning_determinism.rank_states import check_ranks, other_seed_message, verify_restored
 from lightning_determinism.rank_states import digest as _digest
@@ -76,7 +77,7 @@ class RNGStateCheckpoint(Callback):
     ) -> None:
         self._check_accumulation(trainer)
         worker_cb = _worker_callback(trainer)
-        rng = capture_rng_state()
+        rng = training_rng_state()  # during an evaluation pass (ModelCheckpoint at its end): training's, not its own
         local = {
             "rng": rng,
             "digest": _digest(rng),
