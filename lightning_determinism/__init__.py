@@ -25,6 +25,7 @@ from lightning_determinism.fabric import (
     register_fabric_strategies,
 )
 from lightning_determinism.fingerprint import fingerprint, tensor_fingerprints
+from lightning_determinism.isolation import evaluation_streams
 from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
 from lightning_determinism.rng import (
     RNGStatesTracker,
@@ -77,6 +78,7 @@ __all__ = [
     "configure_determinism",
     "derive_seed",
     "determinism_report",
+    "evaluation_streams",
     "fingerprint",
     "generator",
     "get_rng_tracker",

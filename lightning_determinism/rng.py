@@ -25,7 +25,8 @@ from lightning_determinism.seeding import BASE_SEED_ENV, check_seed, derive_seed
 DEFAULT_STREAM = "model-parallel-rng"
 
 
-def _cuda_ready() -> bool:
+def cuda_ready() -> bool:
+    """Whether CUDA is there and initialised (its generators then have states to save)."""
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
@@ -59,7 +60,7 @@ class _Fork:
         self._stream = stream
         self._saved_cpu = _CPU.get_state()
         _CPU.set_state(stream["cpu"])
-        if "cuda" in stream and _cuda_ready():
+        if "cuda" in stream and cuda_ready():
             self._saved_cuda = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(stream["cuda"])
 
@@ -302,8 +303,24 @@ def capture_rng_state() -> dict[str, Any]:
         **capture_cpu_streams(),
         "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
         "tracker": _TRACKER.get_states(),
-        "generators": {f"{name}@{dev}": gen.get_state() for (name, dev), gen in _GENERATORS.items()},
+        "generators": named_generator_states(),
     }
+
+
+def named_generator_states() -> dict[str, torch.Tensor]:
+    """The states of the :func:`generator` instances, by ``"name@device"``."""
+    return {f"{name}@{dev}": gen.get_state() for (name, dev), gen in _GENERATORS.items()}
+
+
+def restore_named_generators(states: dict[str, torch.Tensor]) -> None:
+    """Put back what :func:`named_generator_states` returned (creating generators that do not exist yet)."""
+    for key, gen_state in states.items():
+        name, _, dev = key.rpartition("@")
+        gen = _GENERATORS.get((name, dev))
+        if gen is None:
+            gen = torch.Generator(device=dev)
+            _GENERATORS[(name, dev)] = gen
+        gen.set_state(gen_state)
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -318,13 +335,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda)
     if "tracker" in state:
         _TRACKER.set_states(state["tracker"])
-    for key, gen_state in (state.get("generators") or {}).items():
-        name, _, dev = key.rpartition("@")
-        gen = _GENERATORS.get((name, dev))
-        if gen is None:
-            gen = torch.Generator(device=dev)
-            _GENERATORS[(name, dev)] = gen
-        gen.set_state(gen_state)
+    restore_named_generators(state.get("generators") or {})
 
 
 __all__ = [
@@ -332,8 +343,11 @@ __all__ = [
     "RNGStatesTracker",
     "capture_cpu_streams",
     "capture_rng_state",
+    "cuda_ready",
     "generator",
     "get_rng_tracker",
+    "named_generator_states",
     "restore_cpu_streams",
+    "restore_named_generators",
     "restore_rng_state",
 ]
