@@ -23,7 +23,10 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'lightning-determinism[plot]'") from None
+        raise PlotError(
+            "--plot needs matplotlib: pip install 'lightning-determinism[plot]'"
+            " (in a source checkout: pip install -e '.[plot]')"
+        ) from None
     return plt
 
 

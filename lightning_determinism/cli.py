@@ -5,6 +5,10 @@
 
 Exit status: 0 when the runs agree (``compare``) or the report was printed, 1 when they diverge, 2 on bad input —
 with one line on stderr naming the argument and no traceback.
+
+The command line is parsed by the light entry module ``_lightning_determinism_cli`` (standard library only, so that
+``--help`` and a bad argument answer at once); this module does the subcommands' work and imports torch only where
+a subcommand needs it (reading a checkpoint, reporting this process's flags).
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+import zipfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from lightning_determinism.backends import determinism_report
+from _lightning_determinism_cli import PROG, build_parser, main
 from lightning_determinism.baseline_file import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -27,16 +31,9 @@ from lightning_determinism.baseline_file import (
     load_baseline,
 )
 
-PROG = "lightning-determinism"
-
 
 class _BadInput(Exception):
     """Anything the user gave that cannot be used: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block and exit
-        raise _BadInput(message)
 
 
 def verdicts(report: dict[str, Any]) -> dict[str, str]:
@@ -78,6 +75,37 @@ def _print_flags(report: dict[str, Any]) -> None:
     print(f"\n{len(bad)} setting(s) to look at" if bad else "\nnothing found that breaks reproducibility")
 
 
+def _unreadable(path: Path, err: Exception) -> _BadInput:
+    """One line for a file ``torch.load(weights_only=True)`` cannot read, instead of torch's page of advice."""
+    expected = "a Lightning checkpoint (.ckpt) or a NumericalBaseline file (.json)"
+    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6
+        return _BadInput(f"{path}: not a checkpoint or baseline file (expected {expected})")
+    lines = [line.strip() for line in str(err).splitlines()]
+    refused = next((line for line in lines if line.startswith("WeightsUnpickler error")), None)
+    why = refused.split(". ")[0] if refused else (lines[0][:120] if lines and lines[0] else type(err).__name__)
+    return _BadInput(
+        f"{path}: a torch file that torch.load(weights_only=True) cannot read ({why}); expected {expected}"
+    )
+
+
+def _rng_contents(ranks: list[Any]) -> str:
+    """What the saved RNG entry holds, e.g. ``1 rank(s): python, numpy, torch CPU`` (CUDA only when it was saved)."""
+    states = [entry.get("rng") or {} for entry in ranks if isinstance(entry, dict)]
+    parts = [
+        key if key != "torch" else "torch CPU" for key in ("python", "numpy", "torch") if all(key in s for s in states)
+    ]
+    devices = max((len(s.get("cuda") or []) for s in states), default=0)
+    if devices:
+        parts.append(f"CUDA ({devices} device(s))")
+    streams = sorted({name for s in states for name in (s.get("tracker") or {})})
+    if streams:
+        parts.append(f"tracker streams {streams}")
+    generators = sorted({name for s in states for name in (s.get("generators") or {})})
+    if generators:
+        parts.append(f"generators {generators}")
+    return f"{len(ranks)} rank(s): {', '.join(parts) or 'nothing'}"
+
+
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     """What a Lightning checkpoint says about the run that wrote it (seeds, world size, position, flags).
 
@@ -86,13 +114,12 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     """
     import torch
 
-    from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY
+    from lightning_determinism.rank_states import CHECKPOINT_KEY
 
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001  (any unpickling or I/O problem is the file's)
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise _BadInput(f"{path}: not a readable checkpoint ({first_line[:200]})") from None
+        raise _unreadable(path, err) from None
     if not isinstance(checkpoint, dict):
         raise _BadInput(f"{path}: not a Lightning checkpoint (a {type(checkpoint).__name__}, not a dict)")
     saved = checkpoint.get(CHECKPOINT_KEY)
@@ -113,7 +140,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         {
             "world_size": saved.get("world_size"),
             "base_seed": saved.get("base_seed"),
-            "rng_state": f"{len(ranks)} rank(s): python, numpy, torch, CUDA, tracker, generators",
+            "rng_state": _rng_contents(ranks),
             "loader_generators": sorted((ranks[0].get("loaders") or {}) if ranks else {}),
             "report": saved.get("report"),
         }
@@ -123,6 +150,8 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
 
 def _report(args: argparse.Namespace) -> int:
     if args.path is None:
+        from lightning_determinism.backends import determinism_report
+
         report = determinism_report()
         if args.json:
             print(json.dumps(report, indent=2))
@@ -155,6 +184,30 @@ def _format_diff(value: float) -> str:
     return f"{value:>12.3e}" if math.isfinite(value) else f"{value!s:>12}"
 
 
+def _loss_column(values: list[Any], width: int = 14) -> list[str]:
+    """The losses of both runs in one notation and precision, right-aligned, so that their digits line up.
+
+    Fixed-point with the decimals that give the largest value 9 significant digits, or scientific notation when the
+    values span too many orders of magnitude for that.
+
+    Examples:
+        >>> _loss_column([0.6931471805599453, 12.5, float("nan")], width=12)
+        ['   0.6931472', '  12.5000000', '         nan']
+        >>> _loss_column([2.5e-07, 1.0], width=12)
+        ['2.50000000e-07', '1.00000000e+00']
+    """
+    finite = [abs(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    largest = max(finite, default=0.0)
+    smallest = min((v for v in finite if v), default=1.0)
+    if largest < 1e7 and smallest >= 1e-3:
+        spec = f".{max(9 - len(str(int(largest))), 1)}f"
+    else:
+        spec = ".8e"
+    texts = [format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else str(v) for v in values]
+    width = max([width, *(len(t) for t in texts)])
+    return [f"{t:>{width}}" for t in texts]
+
+
 def _compare(args: argparse.Namespace) -> int:
     if args.plot:
         from lightning_determinism._compare_plot import PlotError, check_plot_path
@@ -163,12 +216,18 @@ def _compare(args: argparse.Namespace) -> int:
             check_plot_path(args.plot)  # before any work: a bad path must not cost a comparison
         except PlotError as err:
             raise _BadInput(str(err)) from None
+    rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
+    atol = DEFAULT_ATOL if args.atol is None else args.atol
     first_file, second_file = load_baseline(args.a), load_baseline(args.b)
-    result = compare_baselines(first_file, second_file, args.rtol, args.atol, args.nonfinite_equal)
-    print(f"{'step':>4}  {'loss A':>14}  {'loss B':>14}  {'max abs diff':>12}  {'max rel diff':>12}  bitwise params")
-    for row in result["rows"]:
+    result = compare_baselines(first_file, second_file, rtol, atol, args.nonfinite_equal)
+    rows = result["rows"]
+    losses = _loss_column([row["loss_a"] for row in rows] + [row["loss_b"] for row in rows])
+    width = len(losses[0]) if losses else 14
+    diffs = f"{'max abs diff':>12}  {'max rel diff':>12}"
+    print(f"{'step':>4}  {'loss A':>{width}}  {'loss B':>{width}}  {diffs}  bitwise params")
+    for row, loss_a, loss_b in zip(rows, losses[: len(rows)], losses[len(rows) :], strict=True):
         print(
-            f"{row['step']:>4}  {row['loss_a']:>14.8g}  {row['loss_b']:>14.8g}  {_format_diff(row['max_abs'])}"
+            f"{row['step']:>4}  {loss_a}  {loss_b}  {_format_diff(row['max_abs'])}"
             f"  {_format_diff(row['max_rel'])}  {'yes' if row['bitwise_params'] else 'no'}"
         )
     for entry in result["nonfinite"]:
@@ -176,10 +235,10 @@ def _compare(args: argparse.Namespace) -> int:
     if args.plot:
         from lightning_determinism._compare_plot import draw
 
-        draw(result, args.a, args.b, args.plot, args.rtol, args.atol)
+        draw(result, args.a, args.b, args.plot, rtol, atol)
         print(f"plot written to {args.plot}")
     first = result["first"]
-    tolerance = f"rtol={args.rtol:g}, atol={args.atol:g}"
+    tolerance = f"rtol={rtol:g}, atol={atol:g}"
     if first is None:
         identical = all(r["max_abs"] == 0.0 and r["bitwise_params"] for r in result["rows"])
         steps = len(result["rows"])
@@ -197,49 +256,21 @@ def _compare(args: argparse.Namespace) -> int:
     return 1
 
 
-def _tolerance(text: str) -> float:
+def run(args: argparse.Namespace) -> int:
+    """Do the work of a parsed command line (see ``build_parser``); returns the exit status.
+
+    Bad input found while working (a missing or unreadable file, a plot path that cannot be written) is printed as
+    one line on stderr and returns 2.
+    """
+    command = {"report": _report, "compare": _compare}[args.command]
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the command (``report`` and ``compare``); errors raise instead of exiting."""
-    parser = _Parser(prog=PROG, description="Check and compare the reproducibility of runs.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    report = sub.add_parser(
-        "report", help="the flags, versions and seeds in effect here, or recorded in a checkpoint or baseline file"
-    )
-    report.add_argument("path", nargs="?", help="a Lightning checkpoint or a NumericalBaseline JSON file")
-    report.add_argument("--json", action="store_true", help="print the raw report as JSON")
-    report.set_defaults(func=_report)
-    compare = sub.add_parser("compare", help="compare two NumericalBaseline files; exit 1 when they differ")
-    compare.add_argument("a", help="the reference baseline (JSON)")
-    compare.add_argument("b", help="the baseline to check (JSON)")
-    compare.add_argument("--plot", metavar="OUT.png", help="draw both loss curves and the per-step divergence")
-    compare.add_argument("--rtol", type=_tolerance, default=DEFAULT_RTOL, help=f"relative tolerance ({DEFAULT_RTOL:g})")
-    compare.add_argument("--atol", type=_tolerance, default=DEFAULT_ATOL, help=f"absolute tolerance ({DEFAULT_ATOL:g})")
-    compare.add_argument(
-        "--nonfinite-equal",
-        action="store_true",
-        help="count identical NaN/inf values in both files as equal (by default any NaN or inf is a divergence)",
-    )
-    compare.set_defaults(func=_compare)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the exit status (0 equal/ok, 1 different, 2 bad input)."""
-    try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        return int(command(args))
     except (_BadInput, BaselineFileError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+
+
+__all__ = ["PROG", "build_parser", "describe_checkpoint", "main", "run", "verdicts"]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+CHECKPOINT_KEY = "lightning_determinism_rng"
+"""The Lightning checkpoint key under which :class:`~lightning_determinism.RNGStateCheckpoint` writes its entry."""
+
 
 def digest(rng: dict[str, Any]) -> str:
     """sha256 over the python, numpy and torch CPU states (what makes a rank's stream its own)."""
@@ -94,4 +97,13 @@ def other_seed_message(stored: Any, current: int | None) -> str | None:
     )
 
 
-__all__ = ["all_gather", "check_ranks", "digest", "other_seed_message", "pattern", "require", "verify_restored"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "all_gather",
+    "check_ranks",
+    "digest",
+    "other_seed_message",
+    "pattern",
+    "require",
+    "verify_restored",
+]

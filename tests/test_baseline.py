@@ -287,7 +287,7 @@ def test_report_describes_a_baseline_file_and_a_checkpoint(recorded, tmp_path, c
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(b"not a checkpoint")
     assert cli(["report", str(junk)]) == 2
-    assert "not a readable checkpoint" in capsys.readouterr().err
+    assert "junk.ckpt: not a checkpoint or baseline file" in capsys.readouterr().err
 
 
 def test_the_command_keeps_its_exit_codes_in_a_shell_script(recorded, tmp_path):

@@ -27,14 +27,13 @@ from lightning_determinism import elastic
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.isolation import training_rng_state
+from lightning_determinism.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
 from lightning_determinism.rank_states import all_gather as _all_gather
-from lightning_determinism.rank_states import check_ranks, other_seed_message, verify_restored
 from lightning_determinism.rank_states import digest as _digest
 from lightning_determinism.resumable import consumed_batches, loader_positions, set_plan
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
 
-CHECKPOINT_KEY = "lightning_determinism_rng"
 _FORMAT = 1
 
 
