@@ -58,12 +58,16 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--mp", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
     args = parser.parse_args()
     world_size = args.dp * args.mp
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(
-            worker, args=(world_size, args.dp, args.mp, args.seed, store), nprocs=world_size, start_method="spawn"
+            worker,
+            args=(world_size, args.dp, args.mp, args.seed, store),
+            nprocs=world_size,
+            start_method=args.start_method,
         )
 
 

@@ -207,7 +207,8 @@ def script_command(script: str, args: argparse.Namespace) -> list[str]:
 
 def straight_and_resumed(command: list[str], stop: list[str], resume: list[str]) -> tuple[str, str]:
     """Fingerprints of an uninterrupted run and of one run with ``stop``, then resumed with ``resume`` in a new
-    process; the uninterrupted run goes side by side with the other two (they share nothing)."""
+    process; the uninterrupted run goes side by side with the other two (they share nothing). The uninterrupted
+    run's validation lines are printed."""
     import subprocess
 
     # Two runs at once: each must pick its own rendezvous port, not share one inherited from this process.
@@ -216,16 +217,18 @@ def straight_and_resumed(command: list[str], stop: list[str], resume: list[str])
     def start(extra: list[str]) -> subprocess.Popen:
         return subprocess.Popen(command + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
-    def fingerprint(process: subprocess.Popen) -> str:
+    def fingerprint(process: subprocess.Popen, show_validation: bool = False) -> str:
         out, err = process.communicate()
         if process.returncode:
             raise SystemExit(f"a phase of the resume demo failed:\n{err[-3000:]}")
+        if show_validation:
+            print("\n".join(line for line in out.splitlines() if line.startswith("epoch ")), flush=True)
         return [line for line in out.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
 
     uninterrupted = start([])
     fingerprint(start(stop))
     resumed = fingerprint(start(resume))
-    return fingerprint(uninterrupted), resumed
+    return fingerprint(uninterrupted, show_validation=True), resumed
 
 
 def show_seed_lines() -> None:
