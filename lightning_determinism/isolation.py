@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from lightning_determinism.rng import (
-    cuda_ready,
     capture_rng_state,
+    cuda_ready,
     get_rng_tracker,
     named_generator_states,
     restore_named_generators,
