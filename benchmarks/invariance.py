@@ -190,10 +190,46 @@ def accuracy(steps: int = 4) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def reseed(number: int = 20_000) -> None:
+    """The per-micro-batch reseed against numpy's SeedSequence, which derive_seed called before (target <= 5 us)."""
+    import timeit
+
+    import numpy as np
+
+    from lightning_determinism.invariant import micro_batch_seed, reseed_for_micro_batch
+    from lightning_determinism.seeding import _key_words
+
+    def numpy_seed(*keys) -> int:
+        words = [w for key in keys for w in _key_words(key)]
+        return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint32)[0])
+
+    def per_call(fn) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    step = iter(range(10**9))
+
+    def new_step_reseed() -> None:  # micro-batch 0 of a new step: the step's prefix is not cached yet
+        reseed_for_micro_batch(micro_batch_seed(42, next(step), 0))
+
+    rows = [
+        ("numpy SeedSequence (derive_seed before)", lambda: numpy_seed(42, "micro-batch", 7, 3)),
+        ("derive_seed, cached step prefix", lambda: micro_batch_seed(42, 7, 3)),
+        ("reseed, later micro-batch of a step", lambda: reseed_for_micro_batch(micro_batch_seed(42, 7, 3))),
+        ("reseed, first micro-batch of a new step", new_step_reseed),
+    ]
+    print("\n3. per-micro-batch reseed (derive_seed + CPU generator), per call; target <= 5 us")
+    for name, fn in rows:
+        print(f"   {name:44s}{per_call(fn):>8.2f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--reseed-only", action="store_true", help="only section 3 (no multi-process runs)")
     args = parser.parse_args()
+    if args.reseed_only:
+        reseed()
+        return
     instrument()
     print("1. median optimizer-step time on 2 gloo processes (same micro-batches)")
     print(f"   {'':34s}{'DDP':>12s}{'invariant':>12s}{'ratio':>10s}   invariant mode's own time per step")
@@ -204,6 +240,7 @@ def main() -> None:
         parts = ", ".join(f"{k} {inv[k] / (inv['steps'] + 3) * 1e3:.1f} ms" for k in TIMES)
         ratio = inv["step"] / ddp["step"]
         print(f"   {name:34s}{ddp['step'] * 1e3:>10.1f}ms{inv['step'] * 1e3:>10.1f}ms{ratio:>9.2f}x   {parts}")
+    reseed()
     errors = accuracy()
     print("\n2. averaged gradient vs a float64 sum of the same micro-batch gradients (worst of 4 steps; MLP,")
     print("   16 micro-batches per step on 2 processes)")

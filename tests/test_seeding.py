@@ -149,3 +149,48 @@ def test_derive_seed_rejects_bad_keys(keys, error):
 
 def test_derive_seed_accepts_numpy_integers():
     assert derive_seed(np.int64(4), np.uint8(2)) == derive_seed(4, 2)
+
+
+# Seeds of existing runs must never move: values of numpy.random.SeedSequence(words).generate_state(1)[0], which
+# derive_seed returned before it hashed the words itself (computed with numpy 2.4, the reference implementation).
+PINNED = [
+    ((0,), 3964924996),
+    ((42,), 3352027439),
+    (("worker",), 4244869237),
+    ((42, "worker", 0), 118100873),
+    ((42, "worker", 1, 3), 3641821691),
+    ((7, "micro-batch", 0, 0), 3090765729),
+    ((7, "micro-batch", 123, 15), 2092434824),
+    ((2**32,), 1709609553),
+    ((2**40, "sample", 5), 1263737178),
+    ((1, 1), 680546637),
+    ((2, 0), 3889686692),
+    ((42, "evaluation", "validate", 0, 10, 1), 1636635077),
+]
+
+
+@pytest.mark.parametrize(("keys", "seed"), PINNED, ids=[repr(k) for k, _ in PINNED])
+def test_derive_seed_values_are_pinned(keys, seed):
+    assert derive_seed(*keys) == seed
+    assert derive_seed(*keys) == seed  # the second call takes the cached prefix
+
+
+def test_derive_seed_equals_numpy_seed_sequence_over_random_keys():
+    from lightning_determinism.seeding import _key_words
+
+    rng = random.Random(0)
+    for _ in range(500):
+        keys = [
+            rng.choice([rng.randrange(2 ** rng.choice([1, 8, 31, 32, 33, 64])), rng.choice(["", "a", "worker", "é"])])
+            for _ in range(rng.randint(1, 6))
+        ]
+        words = [w for key in keys for w in _key_words(key)]
+        assert derive_seed(*keys) == int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint32)[0]), keys
+
+
+def test_derive_seed_does_not_take_true_for_one_from_its_cache():
+    derive_seed(5, 1)  # fills the cache for the prefix (5,)
+    with pytest.raises(TypeError, match="got the bool True"):
+        derive_seed(5, True)
+    with pytest.raises(TypeError, match="got the bool True"):
+        derive_seed(True, 1)
