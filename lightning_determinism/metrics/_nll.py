@@ -1,7 +1,8 @@
 """Per-token negative log-likelihood whose value for one row never depends on the other rows of the batch.
 
 ``nll = (max - x_target) + log(sum(exp(x - max)))`` per row of logits ``[N, V]``: the difference is taken in
-float64, the exponentials in float32 (at least) and each row's sum of them is accumulated in float64.
+float64, the exponentials in float32 (at least; in float64 for vocabularies below 4096 on the eager path) and each
+row's sum of them is accumulated in float64.
 
 Batch invariance (the same bits for a row whether it comes alone, among 7 or among 32 rows, on 1 thread or 16) is
 what makes a metric identical on any world size. PyTorch's own reductions do not give it: a sum with one output row
@@ -38,6 +39,9 @@ COMPILE_ENV = "LDET_PERPLEXITY_COMPILE"
 
 COMPILE_MIN_VOCAB = 4096
 """With ``compile=None``, the kernel is compiled on CPU for vocabularies at least this large."""
+
+FLOAT64_EXP_MAX_VOCAB = 4096
+"""Below this vocabulary size the eager path takes the exponentials in float64 (large ones: float32, for speed)."""
 
 EXP_FLOOR = -87.0  # exp() below this is subnormal: ~35x slower on CPUs, and < 2e-38 of the row's sum
 _CHUNK_BYTES_CPU = 2 * 2**20  # a chunk of float32 rows that stays in a CPU's L2/L3 cache (fastest measured)
@@ -128,6 +132,10 @@ def _eager_row_stats(logits: Tensor, ids: Tensor, chunk_size: int | None) -> tup
     vocab = logits.shape[-1]
     n = logits.shape[0]
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
+    if vocab < FLOAT64_EXP_MAX_VOCAB:
+        # Few classes per row: float32 exponentials (~1 ulp each, summed over few terms) would cost ~1e-9 relative
+        # in the perplexity; float64 ones cost next to nothing here.
+        work_dtype = torch.float64
     rows = _chunk_rows(vocab, logits.device, chunk_size)
     on_cpu = logits.device.type == "cpu"
     shifted = torch.empty((min(rows, n), vocab), dtype=work_dtype, device=logits.device)
