@@ -58,20 +58,19 @@ class _Fork:
             )
         self._depth = 1
         self._stream = stream
-        self._saved_cpu = _CPU.get_state()
-        _CPU.set_state(stream["cpu"])
+        self._saved_cpu = _get_cpu_state()
+        _set_cpu_state(stream["cpu"])
         if "cuda" in stream and cuda_ready():
             self._saved_cuda = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(stream["cuda"])
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:  # no *args: a fork is µs
         self._depth -= 1
         if self._depth:
             return
         stream = self._stream
-        assert stream is not None
-        stream["cpu"] = _CPU.get_state()  # the advanced state: the next fork continues the sequence
-        _CPU.set_state(self._saved_cpu)
+        stream["cpu"] = _get_cpu_state()  # type: ignore[index]  # the advanced state: the next fork continues it
+        _set_cpu_state(self._saved_cpu)
         if self._saved_cuda is not None:
             stream["cuda"] = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(self._saved_cuda)
@@ -80,6 +79,7 @@ class _Fork:
 
 
 _CPU = torch.default_generator
+_get_cpu_state, _set_cpu_state = _CPU.get_state, _CPU.set_state  # bound once: a fork is a few µs, lookups count
 
 
 class RNGStatesTracker:
