@@ -68,8 +68,8 @@ class _Fork:
         self._depth -= 1
         if self._depth:
             return
-        stream = self._stream
-        stream["cpu"] = _get_cpu_state()  # type: ignore[index]  # the advanced state: the next fork continues it
+        stream: dict[str, torch.Tensor] = self._stream  # type: ignore[assignment]  # set by __enter__
+        stream["cpu"] = _get_cpu_state()  # the advanced state: the next fork continues the sequence
         _set_cpu_state(self._saved_cpu)
         if self._saved_cuda is not None:
             stream["cuda"] = torch.cuda.get_rng_state()
