@@ -253,6 +253,8 @@ class InvariantTraining:
         """Before the optimizers exist: set (or check) gradient accumulation to ``K``."""
         self.check_accumulation(trainer.accumulate_grad_batches, self.world_size)
         trainer.accumulate_grad_batches = self.per_rank
+        if self._tree is not None:
+            self._tree.disarm()
         self._tree = None
         self._passes_in_window = 0
 
@@ -272,10 +274,16 @@ class InvariantTraining:
             )
 
     def before_micro_batch(self, global_step: int) -> None:
-        """Reseed the generators for the micro-batch about to run."""
+        """Reseed the generators for the micro-batch about to run.
+
+        Before the step's last micro-batch, its backward is set to overlap with the communication
+        (:meth:`~lightning_determinism.tree.GradientTree.arm`).
+        """
         index = self.rank * self.per_rank + self._passes_in_window
         reseed_for_micro_batch(micro_batch_seed(self.base_seed, global_step, index))
         self._passes_in_window += 1
+        if self._passes_in_window == self.per_rank and self._tree is not None:
+            self._tree.arm()
 
     def process_train_loader(self, dataloader: Any, rank: int, world_size: int) -> Any:
         """The training loader with :class:`InvariantSampler` in place of its sampler.

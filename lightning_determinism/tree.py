@@ -16,11 +16,35 @@ This module is a leaf: it knows ``torch.distributed``, not Lightning.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bytes per bucket of the overlapped communication (DDP's default bucket size)."""
+
+
+def _buckets(parameters: Sequence[torch.nn.Parameter], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices in buckets of about ``bucket_bytes``, from the last parameter to the first.
+
+    The backward produces gradients roughly in that order; each bucket is a contiguous range of the flat vector.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in reversed(range(len(parameters))):
+        current.insert(0, index)
+        size += parameters[index].numel() * parameters[index].element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def tree_sum(tensors: Sequence[Tensor]) -> Tensor:
@@ -75,7 +99,14 @@ class GradientTree:
         tensor([4., 6.])
     """
 
-    def __init__(self, parameters: Sequence[torch.nn.Parameter], leaves: int, groups: list, rank: int) -> None:
+    def __init__(
+        self,
+        parameters: Sequence[torch.nn.Parameter],
+        leaves: int,
+        groups: list,
+        rank: int,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
         self.parameters = list(parameters)
         self.leaves, self.groups, self.rank = leaves, groups, rank
         self.numel = sum(p.numel() for p in self.parameters)
@@ -83,6 +114,17 @@ class GradientTree:
         self._stack: list[tuple[int, Tensor]] = []
         self._result: Tensor | None = None
         self.added = 0
+        self._offsets = [0]
+        for p in self.parameters:
+            self._offsets.append(self._offsets[-1] + p.numel())
+        self._buckets = _buckets(self.parameters, bucket_bytes)
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
+        # The overlapped last leaf (see arm()): its buffer, what each bucket still waits for, the hooks, the handles.
+        self._leaf: Tensor | None = None
+        self._pending: list[int] = []
+        self._roots: list[Tensor | None] = []
+        self._hooks: list[Any] = []
+        self._handles: list[Any] = []
 
     def _buffer(self) -> Tensor:
         in_use = {id(buffer) for _, buffer in self._stack}
@@ -94,8 +136,64 @@ class GradientTree:
         self._buffers.append(buffer)
         return buffer
 
+    def arm(self) -> None:
+        """Overlap the coming micro-batch, the step's last, with the first level of communication.
+
+        Each bucket of parameters (contiguous in the flat order, filled in the backward's order) is added into the
+        tree and its ``all_reduce`` with the partner process started as soon as the backward has produced all its
+        gradients, while the backward goes on with the next ones (as DDP's buckets do). The additions and their order
+        are those of :meth:`add_leaf`: the bits do not change. Without other processes there is nothing to overlap.
+        """
+        if not self.groups or self._hooks or self.added != self.leaves - 1:
+            return
+        self._leaf = self._buffer()
+        self._pending = [len(members) for members in self._buckets]
+        self._roots = [None] * len(self._buckets)
+        for index, p in enumerate(self.parameters):
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._ready, index)))
+
+    def disarm(self) -> None:
+        """Remove the hooks of :meth:`arm` (a step that ended another way, a new fit)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _ready(self, index: int, param: torch.nn.Parameter) -> None:
+        bucket = self._bucket_of[index]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._flush(bucket)
+
+    def _flush(self, bucket: int) -> None:
+        """Add one bucket's gradients as the last leaf's part and start the bucket's first-level ``all_reduce``."""
+        self._pending[bucket] = -1  # done
+        members = self._buckets[bucket]
+        start, end = self._offsets[members[0]], self._offsets[members[-1] + 1]
+        assert self._leaf is not None
+        for i in members:
+            p, part = self.parameters[i], self._leaf[self._offsets[i] : self._offsets[i + 1]]
+            if p.grad is None:
+                part.zero_()
+            else:
+                part.copy_(p.grad.reshape(-1))
+        # The last leaf closes every open subtree: the same in-place additions as add_leaf, on this slice only.
+        level, value = 0, self._leaf[start:end]
+        for entry_level, left in reversed(self._stack):
+            if entry_level != level:
+                break
+            value = left[start:end].add_(value)
+            level += 1
+        self._roots[bucket] = value
+        # Collectives start in bucket order on every process (as DDP's do), whatever order the buckets filled in.
+        while len(self._handles) < len(self._buckets) and self._roots[len(self._handles)] is not None:
+            root = self._roots[len(self._handles)]
+            self._handles.append(dist.all_reduce(root, group=self.groups[0][self.rank], async_op=True))
+
     def add_leaf(self) -> None:
         """Take the parameters' current gradients as the next leaf (and clear them for the next micro-batch)."""
+        if self._hooks:
+            self._add_overlapped_leaf()
+            return
         leaf = self._buffer()
         offset = 0
         for p in self.parameters:
@@ -114,6 +212,23 @@ class GradientTree:
         self._stack.append((level, value))
         self.added += 1
 
+    def _add_overlapped_leaf(self) -> None:
+        """The armed last leaf: flush the buckets the backward left (unused parameters), then close the stack."""
+        self.disarm()
+        for bucket, pending in enumerate(self._pending):
+            if pending != -1:
+                self._flush(bucket)
+        for p in self.parameters:
+            p.grad = None
+        level, root = 0, self._leaf
+        while self._stack and self._stack[-1][0] == level:
+            _, root = self._stack.pop()
+            level += 1
+        assert root is not None
+        self._stack.append((level, root))
+        self._leaf = None
+        self.added += 1
+
     def finish(self, divide_by: int) -> None:
         """Climb the tree with the other processes, divide the root exactly, and set it as the gradients.
 
@@ -125,7 +240,13 @@ class GradientTree:
                 f"the gradient tree took {self.added} micro-batches in this step, expected {self.leaves}"
             )
         _, root = self._stack.pop()
-        for groups in self.groups:
+        levels = self.groups
+        if self._handles:  # the first level ran bucket by bucket during the backward
+            for handle in self._handles:
+                handle.wait()
+            self._handles = []
+            levels = self.groups[1:]
+        for groups in levels:
             dist.all_reduce(root, group=groups[self.rank])  # two processes: one addition, commutative
         if self._result is None:
             self._result = torch.empty_like(root)
