@@ -15,6 +15,12 @@ from lightning_determinism.callbacks import (
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
+from lightning_determinism.diagnosis import (
+    DivergenceProbe,
+    ProbeFileError,
+    ProbeRecorder,
+    load_probe,
+)
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.fabric import (
     DeterministicFabricDDPStrategy,
@@ -63,10 +69,13 @@ __all__ = [
     "DeterministicStrategyMixin",
     "DistributedMean",
     "DistributedPerplexity",
+    "DivergenceProbe",
     "FabricRNGState",
     "GroupInfo",
     "NumericalBaseline",
     "PreemptionCheckpoint",
+    "ProbeFileError",
+    "ProbeRecorder",
     "RNGStateCheckpoint",
     "RNGStatesTracker",
     "Topology",
@@ -83,6 +92,7 @@ __all__ = [
     "generator",
     "get_rng_tracker",
     "load_baseline",
+    "load_probe",
     "model_parallel_seed",
     "perplexity",
     "register_fabric_strategies",
