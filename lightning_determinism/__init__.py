@@ -19,6 +19,7 @@ from lightning_determinism.diagnosis import (
     DivergenceProbe,
     ProbeFileError,
     ProbeRecorder,
+    diagnose,
     load_probe,
 )
 from lightning_determinism.errors import DeterminismWarning
@@ -87,6 +88,7 @@ __all__ = [
     "configure_determinism",
     "derive_seed",
     "determinism_report",
+    "diagnose",
     "evaluation_streams",
     "fingerprint",
     "generator",

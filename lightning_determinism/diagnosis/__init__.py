@@ -1,11 +1,22 @@
-"""Where two runs diverge and why: the divergence probe and its files.
+"""Where two runs diverge and why: the divergence probe, its files and the diagnosis.
 
 ``recorder`` (any loop) and ``probe`` (the Trainer callback) write a probe file per run (``probe_file``, built from
-``digest`` and the module ``hooks``).
+``digest`` and the module ``hooks``); ``records`` lines two files up and ``diagnose`` names the first record whose
+output differs while its inputs matched.
 """
 
+from lightning_determinism.diagnosis.diagnose import CAUSES, PHASES, diagnose, format_diagnosis
 from lightning_determinism.diagnosis.probe import DivergenceProbe
 from lightning_determinism.diagnosis.probe_file import ProbeFileError, load_probe
 from lightning_determinism.diagnosis.recorder import ProbeRecorder
 
-__all__ = ["DivergenceProbe", "ProbeFileError", "ProbeRecorder", "load_probe"]
+__all__ = [
+    "CAUSES",
+    "PHASES",
+    "DivergenceProbe",
+    "ProbeFileError",
+    "ProbeRecorder",
+    "diagnose",
+    "format_diagnosis",
+    "load_probe",
+]
