@@ -28,19 +28,22 @@ def _key(path: str, call: int) -> str:
 
 
 def resolve_modules(root: nn.Module, modules: Sequence[str] | None) -> dict[str, nn.Module]:
-    """The modules to hook by path (``named_modules()`` names; ``""`` is the root), all of them for ``None``.
+    """The modules to hook by path (``named_modules()`` names); ``None``: every submodule, not the root itself.
+
+    The root (``""``) is hooked only when named: under Lightning's DDP its ``forward`` is ``training_step`` (Lightning
+    redirects the call), on one device it is not, and code outside the submodules should read the same on both.
 
     Raises:
         ValueError: naming the paths that are not modules of ``root``.
 
     Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-        >>> sorted(resolve_modules(net, None)), sorted(resolve_modules(net, ["1"]))
-        (['', '0', '1'], ['1'])
+        >>> sorted(resolve_modules(net, None)), sorted(resolve_modules(net, ["", "1"]))
+        (['0', '1'], ['', '1'])
     """
     named = dict(root.named_modules())
     if modules is None:
-        return named
+        return {path: module for path, module in named.items() if path}
     unknown = [m for m in modules if m not in named]
     if unknown:
         known = sorted(named)[:12]
@@ -70,7 +73,7 @@ class ModuleHooks:
 
     Args:
         root: the model (the ``LightningModule``, unwrapped).
-        modules: the paths to hook (``None``: every module, the root included).
+        modules: the paths to hook (``None``: every submodule; the root ``""`` only when named).
         record_ops: log the torch functions each module call runs.
 
     Examples:
@@ -83,8 +86,8 @@ class ModuleHooks:
         >>> net(torch.randn(4, 3)).sum().backward()
         >>> hooks.end()
         >>> hooks.remove()
-        >>> [(e["kind"], e.get("module", e.get("param"))) for e in events][:6]
-        [('enter', ''), ('enter', '0'), ('exit', '0'), ('enter', '1'), ('exit', '1'), ('exit', '')]
+        >>> [(e["kind"], e.get("module", e.get("param"))) for e in events][:4]
+        [('enter', '0'), ('exit', '0'), ('enter', '1'), ('exit', '1')]
     """
 
     def __init__(self, root: nn.Module, modules: Sequence[str] | None, record_ops: bool = True) -> None:

@@ -49,8 +49,8 @@ class DivergenceProbe(ProbeRecorder, Callback):
         path: the JSON file rank 0 writes.
         steps: an int ``n`` (the first ``n`` optimizer steps, counted from 0) or a list of steps
             (``trainer.global_step`` values: a resumed run records the listed steps after its checkpoint).
-        modules: the module paths to hook, as ``named_modules()`` names them (``""`` the LightningModule itself);
-            ``None`` hooks every module.
+        modules: the module paths to hook, as ``named_modules()`` names them; ``None`` hooks every submodule (the
+            LightningModule itself, ``""``, only when named: its ``forward`` is ``training_step`` under DDP).
         record_ops: log the torch functions each module call runs.
 
     In world-size-invariant mode (``global_batch_size`` and ``micro_batch_size`` on the strategy) micro-batch ``j`` of

@@ -110,7 +110,8 @@ class ProbeRecorder:
     Args:
         path: the JSON file to write.
         steps: an int ``n`` (the first ``n`` optimizer steps, counted from 0) or a list of steps.
-        modules: the module paths to hook (``named_modules()`` names, ``""`` the root); ``None`` hooks every one.
+        modules: the module paths to hook (``named_modules()`` names); ``None`` hooks every submodule (the model
+            itself, ``""``, only when named).
         record_ops: log the torch functions each module call runs (the evidence of a diagnosis).
 
     Raises:
@@ -132,7 +133,7 @@ class ProbeRecorder:
         >>> optimizer.step()
         >>> probe.after_optimizer_step(model, optimizer)
         >>> [e["module"] for e in probe.records[0]["micro_batches"][0]["events"] if e["kind"] == "exit"]
-        ['0', '1', '2', '']
+        ['0', '1', '2']
         >>> probe.path.is_file()  # written after the last recorded step
         True
     """
