@@ -239,3 +239,15 @@ def test_a_divergence_after_the_recorded_steps_is_bisected_and_diagnosed(tmp_pat
     assert (bisection["last_equal"], bisection["first_different"]) == (5, 6)
     assert bisection["comparisons"] <= math.ceil(math.log2(8)) + 1 == bisection["limit"]
     assert replays == [("a", "step=5.ckpt", (5,)), ("b", "step=5.ckpt", (5,))]
+
+
+def test_the_example_names_the_callback_that_draws(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("diagnose_two_runs", ROOT / "examples" / "diagnose_two_runs.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("diverged at step 2, micro-batch 0: forward phase, module -\ncause: randomness")
+    assert "the entry of `embed`" in out and f"lightning-determinism diagnose {tmp_path / 'a.json'}" in out
