@@ -251,3 +251,23 @@ def test_the_example_names_the_callback_that_draws(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("diverged at step 2, micro-batch 0: forward phase, module -\ncause: randomness")
     assert "the entry of `embed`" in out and f"lightning-determinism diagnose {tmp_path / 'a.json'}" in out
+
+
+def test_diagnose_usage_errors_answer_without_importing_torch():
+    code = """
+import contextlib, io, sys
+import _lightning_determinism_cli as entry
+codes = []
+for argv in (["diagnose", "--help"], ["diagnose", "a.json"], ["diagnose", "a", "b", "--plot", "x.png"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(entry.main(argv))
+        except SystemExit as done:
+            codes.append(done.code)
+print(codes, sorted(m for m in ("torch", "lightning", "lightning_determinism") if m in sys.modules))
+"""
+    env = child_env(PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=CHILD_TIMEOUT_S)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0, 2, 2] []"
