@@ -1,8 +1,9 @@
 """Digests: exact, cheap hashes of tensors, batches and random states, and the small numbers beside them.
 
-A digest is a sha256 hash, cut to 16 bytes (32 hex digits), of a value's dtype, shape and raw bytes: equal for the same bits,
-different when one bit differs, never a comparison within a tolerance. The probe keeps digests, not tensors, so its
-file stays small; beside them it keeps a float64 norm, to say how far apart two runs are once their digests differ.
+A digest is a sha256 hash, cut to 16 bytes (32 hex digits), of a value's dtype, shape and raw bytes: equal for the
+same bits, different when one bit differs, never a comparison within a tolerance. The probe keeps digests, not
+tensors, so its file stays small; beside them it keeps a float64 norm, to say how far apart two runs are once their
+digests differ.
 
 This module is a leaf: it knows torch and numpy, not Lightning.
 """
