@@ -42,7 +42,7 @@ def _tolerance(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the command (``report`` and ``compare``); errors raise :class:`UsageError`.
+    """The argument parser of the command (``report``, ``compare``, ``diagnose``); errors raise :class:`UsageError`.
 
     Examples:
         >>> build_parser().parse_args(["compare", "a.json", "b.json", "--rtol", "0"]).rtol
@@ -68,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="count identical NaN/inf values in both files as equal (by default any NaN or inf is a divergence)",
     )
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="where and why two runs diverge, from two DivergenceProbe files; exit 1 when they diverge",
+        description="Name the first step, micro-batch, module and phase whose output differs while its inputs"
+        " matched, and the cause: data, randomness, kernel, reduction or optimizer.",
+    )
+    diagnose.add_argument("a", help="run A's probe file (JSON written by DivergenceProbe)")
+    diagnose.add_argument("b", help="run B's probe file")
+    diagnose.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
 

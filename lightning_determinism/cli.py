@@ -1,9 +1,11 @@
-"""The ``lightning-determinism`` command: ``report`` a process, checkpoint or baseline; ``compare`` two baselines.
+"""The ``lightning-determinism`` command: ``report``, ``compare`` two baselines, ``diagnose`` two probe files.
 
     lightning-determinism report [PATH] [--json]
     lightning-determinism compare A.json B.json [--plot out.png] [--rtol R] [--atol A] [--nonfinite-equal]
+    lightning-determinism diagnose A.json B.json [--json]
 
-Exit status: 0 when the runs agree (``compare``) or the report was printed, 1 when they diverge, 2 on bad input —
+Exit status: 0 when the runs agree (``compare``, ``diagnose``) or the report was printed, 1 when they diverge, 2 on
+bad input —
 with one line on stderr naming the argument and no traceback.
 
 The command line is parsed by the light entry module ``_lightning_determinism_cli`` (standard library only, so that
@@ -256,16 +258,26 @@ def _compare(args: argparse.Namespace) -> int:
     return 1
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from lightning_determinism.diagnosis.diagnose import diagnose, format_diagnosis
+
+    result = diagnose(args.a, args.b)
+    print(json.dumps(result, indent=2) if args.json else format_diagnosis(result))
+    return 0 if result["verdict"] == "same" else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Do the work of a parsed command line (see ``build_parser``); returns the exit status.
 
     Bad input found while working (a missing or unreadable file, a plot path that cannot be written) is printed as
     one line on stderr and returns 2.
     """
-    command = {"report": _report, "compare": _compare}[args.command]
+    from lightning_determinism.diagnosis.probe_file import ProbeFileError
+
+    command = {"report": _report, "compare": _compare, "diagnose": _diagnose}[args.command]
     try:
         return int(command(args))
-    except (_BadInput, BaselineFileError) as err:
+    except (_BadInput, BaselineFileError, ProbeFileError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 
