@@ -15,7 +15,7 @@ from lightning_determinism.callbacks import (
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
-from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.errors import DeterminismWarning, IncompatibleVersionError
 from lightning_determinism.fabric import (
     DeterministicFabricDDPStrategy,
     DeterministicFabricFSDPStrategy,
@@ -64,6 +64,7 @@ __all__ = [
     "DistributedPerplexity",
     "FabricRNGState",
     "GroupInfo",
+    "IncompatibleVersionError",
     "NumericalBaseline",
     "PreemptionCheckpoint",
     "RNGStateCheckpoint",
