@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,6 @@ from typing import Any
 import lightning
 import torch
 import torchmetrics
-from packaging.version import Version
 
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.errors import IncompatibleVersionError
@@ -82,6 +82,10 @@ def _exists(path: str, *params: str) -> Callable[[], bool]:
     return present
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])  # "2.5.0.post0" -> (2, 5, 0)
+
+
 def _assigned_names(cls: type) -> set[str]:
     names: set[str] = set()
     for klass in cls.__mro__[:-1]:
@@ -109,7 +113,7 @@ _SCRIPT_LAUNCHER = f"{_PL}.strategies.launchers.subprocess_script:_SubprocessScr
 
 PIECES: tuple[Piece, ...] = (
     Piece(f"lightning>={LIGHTNING_FLOOR}", "older releases replay a batch on resume (see LIGHTNING_FLOOR)",
-          lambda: Version(lightning.__version__).release >= Version(LIGHTNING_FLOOR).release),
+          lambda: _release(lightning.__version__) >= _release(LIGHTNING_FLOOR)),
     # Lightning: data loaders
     Piece("lightning.pytorch.utilities.data._update_dataloader(dataloader, sampler)",
           "rebuilds a DataLoader (a user's subclass too, from its recorded arguments) around a new sampler, as"
@@ -275,14 +279,11 @@ def teardown_trainer(trainer: Any) -> None:
     _private(trainer, "_teardown")()
 
 
-def hpc_save_path(trainer: Any) -> str:
-    """Where Lightning's SLURM requeue writes its checkpoint."""
-    return str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))
-
-
-def slurm_requeue(trainer: Any, signum: int) -> None:
-    """Run Lightning's own SLURM ``SIGUSR1`` handler: checkpoint and requeue the job."""
+def slurm_requeue(trainer: Any, signum: int) -> str:
+    """Run Lightning's own SLURM ``SIGUSR1`` handler (checkpoint, requeue); returns the checkpoint's path."""
+    path = str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))  # before it saves
     _private(_private(trainer, "_signal_connector"), "_slurm_sigusr_handler_fn")(signum, None)
+    return path
 
 
 def module_trainer(module: Any) -> Any:
@@ -389,7 +390,7 @@ __all__ = [
     "AX_TYPE", "BatchNorm", "FabricDataLoader", "LIGHTNING_FLOOR", "MultiProcessingLauncher", "PIECES",
     "PLOT_OUT_TYPE", "Piece", "SubprocessScriptLauncher", "accelerator_connector", "base_index_sampler",
     "check_compat", "combined_loader", "combined_mode", "drop_loader_iterator", "fabric_inner_loader",
-    "fabric_iterations", "forget_worker_pids", "hpc_save_path", "launcher_start_method", "launcher_strategy",
+    "fabric_iterations", "forget_worker_pids", "launcher_start_method", "launcher_strategy",
     "loader_iterator", "mark_unbacked", "metric_defaults", "module_trainer", "sampler_iter", "set_fabric_iterations",
     "set_sampler_epoch", "set_sampler_iter", "should_accumulate", "shutdown_workers", "slurm_requeue",
     "suggested_max_num_threads", "swap_launcher", "teardown_trainer", "trainer_results", "update_dataloader",

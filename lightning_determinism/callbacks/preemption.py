@@ -23,7 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism._compat import accelerator_connector, hpc_save_path, should_accumulate, slurm_requeue
+from lightning_determinism._compat import accelerator_connector, should_accumulate, slurm_requeue
 
 
 class PreemptionCheckpoint(Callback):
@@ -115,8 +115,7 @@ class PreemptionCheckpoint(Callback):
         self.preempted = True
         if self._requeue and signum == signal.SIGUSR1:
             # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job.
-            self.path = Path(hpc_save_path(trainer))  # the name it takes
-            slurm_requeue(trainer, signum)
+            self.path = Path(slurm_requeue(trainer, signum))
         else:
             self.path = self._target(trainer)
             trainer.save_checkpoint(self.path)  # every rank takes part; rank 0 writes
