@@ -209,3 +209,16 @@ def test_every_overridden_private_hook_is_checked():
                         overridden.add(name)
     assert {"_configure_launcher", "_register_ddp_hooks", "_wrapping_function", "_apply"} <= overridden
     assert sorted(name for name in overridden if name not in listed) == []
+
+
+def test_the_oldest_pins_are_the_declared_lower_bounds():
+    import re
+
+    root = PACKAGE.parent
+    block = re.search(r"^dependencies = \[(.*?)\]", (root / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    declared = dict(re.findall(r'"([A-Za-z_]+)>=([\d.]+)"', block))
+    pins = dict(re.findall(r"^([A-Za-z_]+)==([\d.]+)$", (root / "requirements" / "oldest.txt").read_text(), re.M))
+    assert set(declared) == set(pins)  # every dependency has its lower bound pinned, and nothing else is
+    for name, bound in declared.items():
+        assert pins[name].split(".")[: len(bound.split("."))] == bound.split("."), name
+    assert pins["lightning"] == _compat.LIGHTNING_FLOOR
