@@ -46,9 +46,8 @@ except ImportError as error:  # pragma: no cover  (exercised by faking a missing
     _import_error = error
 
 LIGHTNING_FLOOR = "2.5.0"
-"""Older Lightning replays the last batch of an epoch when a run resumes from a checkpoint written at that batch
-(``on_train_batch_end``): its fit loop restarted from the counters as if the batch were unfinished. Fixed in 2.5.0
-(Lightning PR #20379); before it, a resumed run is not the uninterrupted one."""
+"""Older Lightning replays an epoch's last batch on resume from a checkpoint written at that batch (its fit loop took
+the batch for unfinished), so a resumed run is not the uninterrupted one; fixed in 2.5.0 (Lightning PR #20379)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,8 @@ _MP_LAUNCHER = f"{_PL}.strategies.launchers.multiprocessing:_MultiProcessingLaun
 _SCRIPT_LAUNCHER = f"{_PL}.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
 
 PIECES: tuple[Piece, ...] = (
-    Piece(f"lightning>={LIGHTNING_FLOOR}", "older releases replay a batch on resume (see LIGHTNING_FLOOR)",
+    Piece(f"lightning>={LIGHTNING_FLOOR}", "older releases replay an epoch's last batch on resume from a checkpoint"
+          " written at that batch (fixed in Lightning 2.5.0, PR #20379)",
           lambda: _release(lightning.__version__) >= _release(LIGHTNING_FLOOR)),
     # Lightning: data loaders
     Piece("lightning.pytorch.utilities.data._update_dataloader(dataloader, sampler)",
@@ -220,9 +220,9 @@ def versions() -> str:
 def _message(missing: list[str]) -> str:
     listed = "".join(f"\n  - {item}" for item in missing)
     return (
-        f"lightning_determinism {__version__} cannot run with the installed {versions()}: these private pieces it"
-        f" relies on are missing or changed shape:{listed}\nInstall a tested combination (see docs/compatibility.md:"
-        f" lightning>={LIGHTNING_FLOOR}, the newest tested is in the README) or report this version."
+        f"lightning_determinism {__version__} cannot run with the installed {versions()}; what it relies on is"
+        f" missing or changed:{listed}\nInstall a tested combination (docs/compatibility.md: lightning>="
+        f"{LIGHTNING_FLOOR}; the newest tested is in the README) or report this version."
     )
 
 

@@ -102,7 +102,9 @@ def test_an_instance_attribute_no_longer_assigned_is_named(monkeypatch):
 
 def test_lightning_older_than_the_floor_is_refused(monkeypatch):
     monkeypatch.setattr(lightning, "__version__", "2.4.0")
-    message = _fails_naming(f"lightning>={_compat.LIGHTNING_FLOOR}", "lightning 2.4.0", "replay a batch on resume")
+    message = _fails_naming(
+        f"lightning>={_compat.LIGHTNING_FLOOR}", "lightning 2.4.0", "replay an epoch's last batch on resume"
+    )
     assert "docs/compatibility.md" in message
 
 
