@@ -24,7 +24,7 @@ from lightning_determinism.diagnosis import (
     diagnose_checkpoints,
     load_probe,
 )
-from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.errors import DeterminismWarning, IncompatibleVersionError
 from lightning_determinism.fabric import (
     DeterministicFabricDDPStrategy,
     DeterministicFabricFSDPStrategy,
@@ -75,6 +75,7 @@ __all__ = [
     "DivergenceProbe",
     "FabricRNGState",
     "GroupInfo",
+    "IncompatibleVersionError",
     "NumericalBaseline",
     "PreemptionCheckpoint",
     "ProbeFileError",

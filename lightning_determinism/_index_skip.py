@@ -14,6 +14,8 @@ from typing import Any
 
 from torch.utils.data import BatchSampler
 
+from lightning_determinism._compat import sampler_iter, set_sampler_iter
+
 END = object()
 SEEKABLE: tuple[type, ...] = (type(iter([])), type(iter(range(0))))
 
@@ -103,11 +105,11 @@ class SkipOnce:
 
 def prime(iterator: Any) -> None:
     """Draw the first index of a single-process iterator now (the sampler's random draw happens with it)."""
-    sampler_iter = getattr(iterator, "_sampler_iter", None)
-    if sampler_iter is None or int(getattr(iterator, "_num_workers", 0)):
+    indices = sampler_iter(iterator)
+    if indices is None:
         return  # worker iterators drew their first indices when they were created
-    first = next(sampler_iter, END)
-    iterator._sampler_iter = sampler_iter if first is END else itertools.chain([first], sampler_iter)
+    first = next(indices, END)
+    set_sampler_iter(iterator, indices if first is END else itertools.chain([first], indices))
 
 
 __all__ = ["END", "SkipOnce", "SkippedSampler", "consume", "prime", "seek"]

@@ -19,8 +19,14 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch.utils.data._utils.signal_handling import _remove_worker_pids
 
+from lightning_determinism._compat import (
+    drop_loader_iterator,
+    forget_worker_pids,
+    loader_iterator,
+    shutdown_workers,
+    worker_processes,
+)
 from lightning_determinism.errors import DeterminismWarning
 
 WORKER_START_TIMEOUT_S = 30.0
@@ -42,7 +48,7 @@ class StartedFlag:
 def workers_started(iterator: Any, flags: torch.Tensor, timeout: float) -> bool:
     """Wait until every worker marked itself started (or one died: the DataLoader reports that itself)."""
     deadline = time.monotonic() + timeout
-    workers = getattr(iterator, "_workers", [])
+    workers = worker_processes(iterator)
     while not bool(flags.all()):
         if any(not worker.is_alive() for worker in workers) or time.monotonic() > deadline:
             return bool(flags.all()) or any(not worker.is_alive() for worker in workers)
@@ -59,7 +65,7 @@ def create_iterator(loader: Any, create: Any) -> Any:
     workers = int(getattr(loader, "num_workers", 0))
     context = getattr(loader, "multiprocessing_context", None)
     method = context.get_start_method() if context is not None else mp.get_start_method(allow_none=True)
-    reuses = getattr(loader, "persistent_workers", False) and getattr(loader, "_iterator", None) is not None
+    reuses = getattr(loader, "persistent_workers", False) and loader_iterator(loader) is not None
     if workers == 0 or method not in (None, "fork") or reuses:
         return create()
     states = loader._ldet_snapshot(True)
@@ -73,7 +79,7 @@ def create_iterator(loader: Any, create: Any) -> Any:
             setattr(loader, "worker_init_fn", user_fn)  # noqa: B010
         if workers_started(iterator, flags, WORKER_START_TIMEOUT_S):
             return iterator
-        stuck = [w.pid for w, started in zip(iterator._workers, flags.tolist(), strict=True) if not started]
+        stuck = [w.pid for w, started in zip(worker_processes(iterator), flags.tolist(), strict=True) if not started]
         warnings.warn(
             f"[pid {os.getpid()}] data-loader workers {stuck} did not start within {WORKER_START_TIMEOUT_S:.0f} s"
             f" (attempt {attempt + 1}): most likely CPython's fork deadlock gh-112275 (Python < 3.12). Killing"
@@ -81,15 +87,13 @@ def create_iterator(loader: Any, create: Any) -> Any:
             DeterminismWarning,
             stacklevel=3,
         )
-        if getattr(iterator, "_worker_pids_set", False):  # else PyTorch's SIGCHLD handler reports the kill
-            _remove_worker_pids(id(iterator))
-            iterator._worker_pids_set = False
+        forget_worker_pids(iterator)  # else PyTorch's SIGCHLD handler reports the kill
         for pid in stuck:  # SIGKILL: a worker stuck before Python's own setup never runs a SIGTERM handler
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        iterator._shutdown_workers()
+        shutdown_workers(iterator)
         if getattr(loader, "persistent_workers", False):
-            loader._iterator = None
+            drop_loader_iterator(loader)
         loader._ldet_skip_sampler = None  # a resumed iterator skips again
         loader._ldet_restore(states)  # the same draws as the first attempt
     raise RuntimeError(

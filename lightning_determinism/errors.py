@@ -20,3 +20,15 @@ class DeterminismWarning(UserWarning):
         >>> caught[0].category.__name__
         'DeterminismWarning'
     """
+
+
+class IncompatibleVersionError(RuntimeError):
+    """The installed Lightning, Fabric, torch or torchmetrics lacks a private piece the package relies on.
+
+    Raised when the package is imported (and where an attribute is read at run time), naming the installed versions
+    and every missing piece; see ``docs/compatibility.md`` for the tested versions.
+
+    Examples:
+        >>> issubclass(IncompatibleVersionError, RuntimeError)
+        True
+    """

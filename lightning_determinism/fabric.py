@@ -30,6 +30,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
+from lightning_determinism._compat import fabric_inner_loader, fabric_iterations, set_fabric_iterations
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.launchers import destroy_gloo_group_at_exit
@@ -176,7 +177,7 @@ _FORMAT = 1
 
 def _inner(loader: Any) -> Any:
     """The ``DataLoader`` inside Fabric's wrapper (or the loader itself)."""
-    return getattr(loader, "_dataloader", loader)
+    return fabric_inner_loader(loader)
 
 
 def _generators(loader: Any) -> dict[str, torch.Generator]:
@@ -192,7 +193,7 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
 
 def _iterations(loader: Any) -> int:
     """How many times the loader was iterated (its epoch, as Fabric counts it)."""
-    return int(getattr(_inner(loader), "_ldet_iterations", getattr(loader, "_num_iter_calls", 0)))
+    return int(getattr(_inner(loader), "_ldet_iterations", fabric_iterations(loader)))
 
 
 class FabricRNGState:
@@ -251,8 +252,7 @@ class FabricRNGState:
         entry = ranks[rank] if same_world else ranks[0]
         iterations = [int(saved["iterations"]) for saved in entry["loaders"]]
         for loader, count in zip(self.loaders, iterations, strict=True):
-            if hasattr(loader, "_num_iter_calls"):
-                loader._num_iter_calls = count  # Fabric sets the DistributedSampler's epoch from it
+            set_fabric_iterations(loader, count)  # Fabric sets the DistributedSampler's epoch from it
             if hasattr(_inner(loader), "_ldet_iterations"):
                 _inner(loader)._ldet_iterations = count
         base = int(state.get("base_seed", -1))

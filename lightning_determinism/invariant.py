@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from lightning_determinism._compat import BatchNorm, update_dataloader, wrapped_sampler
 from lightning_determinism.seeding import derive_seed
 from lightning_determinism.tree import GradientTree, pair_groups
 
@@ -150,7 +151,7 @@ def reseed_for_micro_batch(seed: int) -> None:
 def find_batch_norm(module: torch.nn.Module) -> str | None:
     """The name of the first batch-norm layer (whose running statistics depend on the rank's micro-batches)."""
     for name, child in module.named_modules():
-        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm):
+        if isinstance(child, BatchNorm):
             return name or type(child).__name__
     return None
 
@@ -292,7 +293,6 @@ class InvariantTraining:
             ValueError: for a loader that is not a map-style ``DataLoader`` with ``batch_size == m``, or a dataset
                 length that ``B`` does not divide.
         """
-        from lightning.pytorch.utilities.data import _update_dataloader
         from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
         if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
@@ -307,7 +307,7 @@ class InvariantTraining:
                 f" got {dataloader.batch_size}"
             )
         sampler = dataloader.sampler
-        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+        inner = wrapped_sampler(sampler)  # Lightning's DistributedSamplerWrapper
         shuffle = bool(getattr(sampler, "shuffle", False)) or isinstance(sampler, RandomSampler)
         shuffle = shuffle or isinstance(inner, RandomSampler)
         new = InvariantSampler(
@@ -319,7 +319,7 @@ class InvariantTraining:
             self.base_seed,
             shuffle,
         )
-        return _update_dataloader(dataloader, new)
+        return update_dataloader(dataloader, new)
 
     def after_backward(self, parameters: Sequence[torch.nn.Parameter]) -> None:
         """Take this micro-batch's gradient as a leaf; after the last one, climb the tree and set the mean gradient."""

@@ -28,11 +28,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _suggested_max_num_threads
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_determinism._compat import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    launcher_start_method,
+    launcher_strategy,
+    suggested_max_num_threads,
+    teardown_trainer,
+)
 from lightning_determinism.errors import DeterminismWarning
 
 PARENT_PID_ENV = "LDET_LAUNCHER_PID"
@@ -87,10 +92,10 @@ def _intended_threads(num_processes: int) -> int:
     env = os.environ.get("OMP_NUM_THREADS")
     if env is not None and env.isdigit():
         return max(1, int(env))
-    return _suggested_max_num_threads(num_processes)
+    return suggested_max_num_threads(num_processes)
 
 
-class CleanExitLauncher(_MultiProcessingLauncher):
+class CleanExitLauncher(MultiProcessingLauncher):
     """Lightning's spawn/fork launcher whose ranks exit cleanly, die with the main process and do not hang."""
 
     _ldet_parent_pid: int = 0
@@ -102,7 +107,9 @@ class CleanExitLauncher(_MultiProcessingLauncher):
         self._ldet_parent_pid = os.getpid()  # read by the ranks: forked memory, or pickled with the launcher
         threads = running_threads()
         self._ldet_single_thread = (
-            self._start_method == "fork" and threads > 1 and _intended_threads(self._strategy.num_processes) > 1  # type: ignore[attr-defined]
+            launcher_start_method(self) == "fork"
+            and threads > 1
+            and _intended_threads(launcher_strategy(self).num_processes) > 1
         )
         if self._ldet_single_thread:
             warnings.warn(
@@ -143,7 +150,7 @@ class CleanExitLauncher(_MultiProcessingLauncher):
         except SystemExit as stop:  # a rank asked to stop cleanly (PreemptionCheckpoint): tear down, tell the parent
             process_idx, trainer, return_queue = args[0], args[1], args[5]
             if trainer is not None:
-                trainer._teardown()
+                teardown_trainer(trainer)
             if process_idx == 0:
                 return_queue.put(_Stopped(stop.code))
         destroy_gloo_group()
@@ -162,7 +169,7 @@ class _Stopped:
         self.code = code
 
 
-class ParentTrackingScriptLauncher(_SubprocessScriptLauncher):
+class ParentTrackingScriptLauncher(SubprocessScriptLauncher):
     """Lightning's popen launcher whose child scripts learn the pid of the process that started them."""
 
     def __init__(self, *args: Any, strategy: Any = None, **kwargs: Any) -> None:
@@ -200,9 +207,9 @@ def adopt_parent_from_env() -> None:
 
 def replace_launcher(launcher: Any, strategy: Any) -> Any:
     """The package's launcher in place of Lightning's own spawn/fork or popen launcher; anything else unchanged."""
-    if type(launcher) is _MultiProcessingLauncher:
-        return CleanExitLauncher(strategy, start_method=launcher._start_method)
-    if type(launcher) is _SubprocessScriptLauncher:
+    if type(launcher) is MultiProcessingLauncher:
+        return CleanExitLauncher(strategy, start_method=launcher_start_method(launcher))  # type: ignore[arg-type]
+    if type(launcher) is SubprocessScriptLauncher:
         return ParentTrackingScriptLauncher(
             launcher.cluster_environment, launcher.num_processes, launcher.num_nodes, strategy=strategy
         )

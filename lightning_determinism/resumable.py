@@ -29,10 +29,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_determinism._compat import (
+    base_index_sampler,
+    combined_loader,
+    combined_mode,
+    loader_iterator,
+    set_sampler_epoch,
+)
 from lightning_determinism._index_skip import SkipOnce, prime
 from lightning_determinism._worker_start import create_iterator
 from lightning_determinism.errors import DeterminismWarning
@@ -93,7 +99,7 @@ class ResumableLoaderMixin:
 
     @property
     def _index_sampler(self) -> Any:
-        inner = self._ldet_base()._index_sampler.fget(self)
+        inner = base_index_sampler(self._ldet_base(), self)
         if self._ldet_skip is not None:
             if self._ldet_skip_sampler is None or self._ldet_skip_sampler.inner is not inner:
                 self._ldet_skip_sampler = SkipOnce(inner, self._ldet_skip)
@@ -130,10 +136,10 @@ class ResumableLoaderMixin:
 
     def _ldet_fresh(self) -> bool:
         """Whether ``DataLoader.__iter__`` builds a new iterator (drawing worker seeds) or resets a persistent one."""
-        return not (getattr(self, "persistent_workers", False) and getattr(self, "_iterator", None) is not None)
+        return not (getattr(self, "persistent_workers", False) and loader_iterator(self) is not None)
 
     def _ldet_set_epoch(self, epoch: int) -> None:
-        _set_sampler_epoch(self, epoch)  # type: ignore[arg-type]
+        set_sampler_epoch(self, epoch)
         per_sample = getattr(getattr(self, "dataset", None), "__getitems__", None)
         shared_epoch = getattr(per_sample, "epoch", None)  # WorkerSeedCallback's per-sample epoch, if installed
         if isinstance(shared_epoch, torch.Tensor):
@@ -296,7 +302,7 @@ def _take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
     plan = getattr(trainer, PLAN_ATTR, None)
     if not plan:
         return None
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    combined = combined_loader(trainer)
     loaders = list(combined.flattened) if combined is not None else [loader]
     slot = next((i for i, other in enumerate(loaders) if other is loader), None)
     if slot is None or slot >= len(plan) or plan[slot] is None:
@@ -325,7 +331,7 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
     resumes after it, one written mid-batch (an exception) repeats it; a finished epoch resumes at the next one.
     """
     fit_loop = trainer.fit_loop
-    combined = getattr(fit_loop, "_combined_loader", None)
+    combined = combined_loader(trainer)
     if combined is None:
         return []
     epochs = fit_loop.epoch_progress.current
@@ -341,7 +347,7 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
             positions.append({"epoch": epoch, "skip": 0, "epoch_start": None})
             continue
         length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
-        cycles = combined._mode == "max_size_cycle" and length < total
+        cycles = combined_mode(combined) == "max_size_cycle" and length < total
         skip = consumed % length if cycles and length else min(consumed, length)
         positions.append({"epoch": epoch, "skip": int(skip), "epoch_start": loader._ldet_epoch_start})
     return positions

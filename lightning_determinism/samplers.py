@@ -17,9 +17,9 @@ import torch
 import torchmetrics
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
-from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_determinism._compat import module_trainer, trainer_results, update_dataloader, wrapped_sampler
 from lightning_determinism.isolation import current_evaluation_pass
 from lightning_determinism.seeding import derive_seed
 
@@ -119,8 +119,8 @@ def unpad_eval_dataloader(dataloader: object) -> object:
     if kind is DistributedSampler:
         new: DistributedSampler = UnpaddedDistributedSampler(sampler.dataset, seed=sampler.seed, **kwargs)  # type: ignore[attr-defined]
     else:
-        new = UnrepeatedDistributedSamplerWrapper(sampler.dataset._sampler, **kwargs)  # type: ignore[attr-defined]
-    return _update_dataloader(dataloader, new)
+        new = UnrepeatedDistributedSamplerWrapper(wrapped_sampler(sampler), **kwargs)
+    return update_dataloader(dataloader, new)
 
 
 def eval_batch_counts(dataloader: object) -> list[int] | None:
@@ -176,7 +176,7 @@ class UnevenEvalGuard:
         """
         if trainer is None or not (trainer.evaluating or trainer.sanity_checking):
             return
-        results = getattr(trainer, "_results", None)
+        results = trainer_results(trainer)
         if results is None or results.batch is None:
             return  # epoch-end collectives run on every rank alike
         loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
@@ -209,7 +209,7 @@ class _StepSyncHook:
 
 def trainer_of(module: Any) -> Any:
     """The trainer a LightningModule is attached to, or ``None``."""
-    return getattr(module, "_trainer", None)
+    return module_trainer(module)
 
 
 __all__ = [

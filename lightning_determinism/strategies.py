@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
+from lightning_determinism._compat import accelerator_connector, module_trainer, set_sampler_epoch, swap_launcher
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
@@ -103,8 +103,7 @@ class DeterministicStrategyMixin(SeedingProperties):
     @override
     def _configure_launcher(self) -> None:  # type: ignore[misc]
         super()._configure_launcher()  # type: ignore[misc]
-        launcher = getattr(self, "_launcher", None)
-        setattr(self, "_launcher", replace_launcher(launcher, self))  # noqa: B010  (the base class owns the attribute)
+        swap_launcher(self, lambda launcher: replace_launcher(launcher, self))
         if self.invariant is not None:  # in the main process, before any rank exists: refused once, not per rank
             self.invariant.check_world_size(self._ldet_planned_world_size())
 
@@ -145,8 +144,7 @@ class DeterministicStrategyMixin(SeedingProperties):
         """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""
         from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
 
-        module = getattr(self, "lightning_module", None)
-        trainer = getattr(module, "_trainer", None)
+        trainer = module_trainer(getattr(self, "lightning_module", None))
         if trainer is not None and not any(isinstance(cb, RNGStateCheckpoint) for cb in trainer.callbacks):
             trainer.callbacks.append(RNGStateCheckpoint())
 
@@ -195,12 +193,12 @@ class DeterministicStrategyMixin(SeedingProperties):
     @override
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        trainer = module_trainer(self.lightning_module)  # type: ignore[attr-defined]
         if self.invariant is not None and trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             dataloader = self.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
-            _set_sampler_epoch(dataloader, next_train_epoch(trainer))
+            set_sampler_epoch(dataloader, next_train_epoch(trainer))
             return make_resumable(dataloader, trainer)
-        if trainer is None or not trainer._accelerator_connector.use_distributed_sampler:
+        if trainer is None or not accelerator_connector(trainer).use_distributed_sampler:
             return dataloader  # the user manages samplers: leave theirs alone
         if trainer.state.stage in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
             # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
@@ -210,7 +208,7 @@ class DeterministicStrategyMixin(SeedingProperties):
         if trainer.state.stage == RunningStage.TRAINING:
             # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
             # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
-            _set_sampler_epoch(dataloader, next_train_epoch(trainer))
+            set_sampler_epoch(dataloader, next_train_epoch(trainer))
             # Mid-epoch resume at the index level (see lightning_determinism.resumable).
             dataloader = make_resumable(dataloader, trainer)
         return dataloader

@@ -22,6 +22,21 @@ CHILD_TIMEOUT_S = 600
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def require_compiled_kernel() -> None:
+    """Skip where the perplexity kernel cannot compile (no C++ compiler); a failed compile anywhere else fails.
+
+    A dependency that breaks ``torch.compile`` (typing_extensions 4.10 under torch 2.13) must turn the suite red, not
+    quietly skip the compiled path's tests.
+    """
+    from lightning_determinism.metrics._nll import KERNEL, _have_cxx
+
+    if KERNEL.available():
+        return
+    if not _have_cxx():
+        pytest.skip(f"torch.compile is not usable here: {KERNEL.failed}")
+    pytest.fail(f"the perplexity kernel did not compile, though a C++ compiler is present: {KERNEL.failed}")
+
+
 def _rank_entry(
     rank: int, fn: Callable[..., Any], world_size: int, workdir: str, start_method: str, args: tuple[Any, ...]
 ) -> None:

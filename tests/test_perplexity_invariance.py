@@ -5,6 +5,7 @@ import torch
 
 from lightning_determinism import DistributedMean, DistributedPerplexity
 from lightning_determinism.metrics._nll import KERNEL, token_nll
+from tests.helpers import require_compiled_kernel
 
 N_SAMPLES, LENGTH, VOCAB = 997, 6, 257
 
@@ -33,8 +34,7 @@ def evaluate(indices: list[int], batch_size: int, compile: bool, seed: int = 0):
 def path(request):
     if request.param:
         evaluate(list(range(4)), 4, True)  # compile once for the module (and for forked ranks that follow)
-        if not KERNEL.available():
-            pytest.skip(f"torch.compile is not usable here: {KERNEL.failed}")
+        require_compiled_kernel()
     return request.param
 
 
@@ -70,22 +70,20 @@ def test_one_row_alone_equals_the_same_row_in_a_batch_on_1_and_2_threads(path):
 
 def test_compiled_and_eager_paths_agree_to_float32_rounding():
     # Two exp() implementations (numpy's and Inductor's) each within an ulp of float32: ~1e-9 on the mean NLL.
-    if not KERNEL.available():
-        pytest.skip(f"torch.compile is not usable here: {KERNEL.failed}")
     eager, _ = evaluate(list(range(200)), 32, False)
     compiled, _ = evaluate(list(range(200)), 32, True)
+    require_compiled_kernel()  # after the attempt: a failed compile falls back to the eager path, which would agree
     assert torch.isclose(eager.compute(), compiled.compute(), rtol=1e-8, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_compiled_path_takes_every_float_dtype(dtype):
-    if not KERNEL.available():
-        pytest.skip(f"torch.compile is not usable here: {KERNEL.failed}")
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(9, VOCAB, generator=gen) * 3).to(dtype)
     ids = torch.randint(VOCAB, (9,), generator=gen)
     expected = torch.nn.functional.cross_entropy(logits.double(), ids, reduction="none")
     got = token_nll(logits, ids, compiled=True)
+    require_compiled_kernel()
     assert torch.allclose(got, expected, rtol=1e-6 if dtype != torch.float64 else 1e-12, atol=0)
 
 

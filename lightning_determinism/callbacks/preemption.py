@@ -23,6 +23,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_determinism._compat import accelerator_connector, should_accumulate, slurm_requeue
+
 
 class PreemptionCheckpoint(Callback):
     """Checkpoint at the next step boundary after a preemption signal, then exit.
@@ -79,7 +81,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning registered its own handlers (in Trainer._run): this one takes their place until the end of
         # training, so Lightning's SIGTERM handler does not stop the run before the step is complete.
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = accelerator_connector(trainer).cluster_environment
         self._requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         signals = self.signals
         if signals is None:
@@ -105,7 +107,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.fit_loop._should_accumulate():
+        if should_accumulate(trainer):
             return  # the optimizer step is not done yet: stop at the end of the accumulation window
         signum = _agree(self.received or 0, trainer)
         if not signum:
@@ -113,8 +115,7 @@ class PreemptionCheckpoint(Callback):
         self.preempted = True
         if self._requeue and signum == signal.SIGUSR1:
             # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job.
-            self.path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))  # the name it takes
-            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+            self.path = Path(slurm_requeue(trainer, signum))
         else:
             self.path = self._target(trainer)
             trainer.save_checkpoint(self.path, weights_only=False)  # every rank takes part; rank 0 writes

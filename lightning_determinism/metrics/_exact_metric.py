@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_determinism._compat import metric_defaults
 from lightning_determinism.exact import check_total, exact_mean, exact_sum, normalize, zero_limbs
 
 
@@ -89,7 +90,8 @@ class ExactMetric(Metric):
         this = super()._apply(fn, exclude_state=tuple(exclude_state) + locked)
         for name in locked:
             setattr(this, name, getattr(this, name).to(device=this.device, dtype=torch.int64))
-            this._defaults[name] = this._defaults[name].to(device=this.device, dtype=torch.int64)  # type: ignore[union-attr,index,operator,call-overload]
+            defaults = metric_defaults(this)
+            defaults[name] = defaults[name].to(device=this.device, dtype=torch.int64)
         return this
 
 

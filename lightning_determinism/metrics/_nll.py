@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_determinism._compat import mark_unbacked
 from lightning_determinism.errors import DeterminismWarning
 
 COMPILE_ENV = "LDET_PERPLEXITY_COMPILE"
@@ -72,7 +73,6 @@ class _CompiledKernel:
         if self.failed is not None:
             return None
         try:
-            mark_unbacked = torch._dynamo.decorators.mark_unbacked
             if self.fn is None:
                 self.fn = torch.compile(_row_stats, dynamic=False, fullgraph=True)
             # No size hint for the row count: one kernel for every batch size, no 0/1 specialisation.

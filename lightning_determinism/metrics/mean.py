@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torchmetrics.utilities.plot import _AX_TYPE, _PLOT_OUT_TYPE
 
+from lightning_determinism._compat import AX_TYPE, PLOT_OUT_TYPE
 from lightning_determinism.exact import TERM_LIMIT, limbs_to_float
 from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite
 
@@ -108,7 +108,7 @@ class DistributedMean(ExactMetric):
         """The weighted mean over everything seen on every process, float64."""
         return torch.tensor(self._exact_mean(), dtype=torch.float64, device=self.sum_limbs.device)
 
-    def plot(self, val: Tensor | Sequence[Tensor] | None = None, ax: _AX_TYPE | None = None) -> _PLOT_OUT_TYPE:
+    def plot(self, val: Tensor | Sequence[Tensor] | None = None, ax: AX_TYPE | None = None) -> PLOT_OUT_TYPE:
         """Plot one value or a sequence of values (``compute()`` when ``val`` is None); needs matplotlib."""
         return self._plot(val, ax)
 

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torchmetrics.utilities.plot import _AX_TYPE, _PLOT_OUT_TYPE
 
+from lightning_determinism._compat import AX_TYPE, PLOT_OUT_TYPE
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, limbs_to_float, zero_limbs
 from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite
@@ -302,7 +302,7 @@ class DistributedPerplexity(ExactMetric):
             )
         return _perplexity_compute(self._exact_mean(), self.nll_limbs.device)
 
-    def plot(self, val: Tensor | Sequence[Tensor] | None = None, ax: _AX_TYPE | None = None) -> _PLOT_OUT_TYPE:
+    def plot(self, val: Tensor | Sequence[Tensor] | None = None, ax: AX_TYPE | None = None) -> PLOT_OUT_TYPE:
         """Plot one value or a sequence of values (``compute()`` when ``val`` is None); needs matplotlib."""
         return self._plot(val, ax)
 

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_determinism import DeterministicDDPStrategy, DistributedPerplexity
-from tests.helpers import run_distributed
+from tests.helpers import require_compiled_kernel, run_distributed
 from tests.lightning_models import PerplexityModule
 from tests.test_perplexity import make, reference
 
@@ -102,12 +102,11 @@ def _evaluate_shard(rank, world_size, out_dir, batch_size, compile):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_997_samples_give_the_same_bits_on_1_2_3_4_processes(tmp_path, compile):
-    from lightning_determinism.metrics._nll import KERNEL
     from tests.test_perplexity_invariance import N_SAMPLES, evaluate
 
     ppl, mean = evaluate(list(range(N_SAMPLES)), 32, compile)  # compiled here, before forking, for every rank
-    if compile and not KERNEL.available():
-        pytest.skip(f"torch.compile is not usable here: {KERNEL.failed}")
+    if compile:
+        require_compiled_kernel()
     single = (float(ppl.compute()).hex(), float(mean.compute()).hex())
     for world_size, batch_size in ((2, 7), (3, 1), (4, 32)):
         out = tmp_path / f"w{world_size}"

@@ -1,0 +1,399 @@
+"""Every private name of Lightning, Fabric, torch and torchmetrics the package relies on, checked in one place.
+
+No public API serves these needs (each entry of :data:`PIECES` says why). Importing the package runs
+:func:`check_compat`: if a release renamed, removed or reshaped one of them, the import fails with one
+:class:`~lightning_determinism.errors.IncompatibleVersionError` naming the installed versions and every missing piece
+— never a silently disabled override or a wrong result later. Attributes that exist only on instances are checked at
+import from the code of the ``__init__`` that assigns them, and again where they are read (the accessors below).
+The tested versions: ``docs/compatibility.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning
+import torch
+import torchmetrics
+
+from lightning_determinism.__about__ import __version__
+from lightning_determinism.errors import IncompatibleVersionError
+
+_import_error: ImportError | None = None
+try:  # the names themselves; a missing one is reported by check_compat() at the end of this module, with the others
+    from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads as suggested_max_num_threads
+    from lightning.fabric.wrappers import _FabricDataLoader as FabricDataLoader
+    from lightning.pytorch.strategies.launchers.multiprocessing import (
+        _MultiProcessingLauncher as MultiProcessingLauncher,
+    )
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as SubprocessScriptLauncher,
+    )
+    from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
+    from torch._dynamo.decorators import mark_unbacked
+    from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
+    from torch.utils.data._utils.signal_handling import _remove_worker_pids
+    from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
+    from torchmetrics.utilities.plot import _AX_TYPE as AX_TYPE
+    from torchmetrics.utilities.plot import _PLOT_OUT_TYPE as PLOT_OUT_TYPE
+except ImportError as error:  # pragma: no cover  (exercised by faking a missing name in tests/test_compat.py)
+    _import_error = error
+
+LIGHTNING_FLOOR = "2.5.0"
+"""Older Lightning replays an epoch's last batch on resume from a checkpoint written at that batch (its fit loop took
+the batch for unfinished), so a resumed run is not the uninterrupted one; fixed in 2.5.0 (Lightning PR #20379)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One private name (or the shape of one) the package needs, why no public API serves, and how to check it."""
+
+    name: str
+    why: str
+    present: Callable[[], bool]
+
+
+def _lookup(path: str) -> Any:
+    """``"module:Class.attr"`` -> the object (``ImportError`` or ``AttributeError`` when it is gone)."""
+    module, _, qualname = path.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _exists(path: str, *params: str) -> Callable[[], bool]:
+    """The name exists and, given ``params``, its signature starts with them (positions the package relies on)."""
+
+    def present() -> bool:
+        try:
+            found = _lookup(path)
+            return not params or list(inspect.signature(found).parameters)[: len(params)] == list(params)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return False
+
+    return present
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])  # "2.5.0.post0" -> (2, 5, 0)
+
+
+def _assigned_names(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__[:-1]:
+        init = inspect.unwrap(klass.__dict__.get("__init__", object.__init__))
+        names.update(getattr(getattr(init, "__code__", None), "co_names", ()))
+    return names
+
+
+def _assigns(path: str, *attributes: str) -> Callable[[], bool]:
+    """The class's ``__init__`` (its own or a base's) still sets these instance attributes: read from its code."""
+
+    def present() -> bool:
+        try:
+            return set(attributes) <= _assigned_names(_lookup(path))
+        except (ImportError, AttributeError):
+            return False
+
+    return present
+
+
+_PL = "lightning.pytorch"
+_DATA = "torch.utils.data.dataloader"
+_MP_LAUNCHER = f"{_PL}.strategies.launchers.multiprocessing:_MultiProcessingLauncher"
+_SCRIPT_LAUNCHER = f"{_PL}.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
+
+PIECES: tuple[Piece, ...] = (
+    Piece(f"lightning>={LIGHTNING_FLOOR}", "older releases replay an epoch's last batch on resume from a checkpoint"
+          " written at that batch (fixed in Lightning 2.5.0, PR #20379)",
+          lambda: _release(lightning.__version__) >= _release(LIGHTNING_FLOOR)),
+    # Lightning: data loaders
+    Piece("lightning.pytorch.utilities.data._update_dataloader(dataloader, sampler)",
+          "rebuilds a DataLoader (a user's subclass too, from its recorded arguments) around a new sampler, as"
+          " Lightning injects its own; there is no public way", _exists(f"{_PL}.utilities.data:_update_dataloader",
+                                                                         "dataloader", "sampler")),
+    Piece("lightning.fabric.utilities.data._set_sampler_epoch(dataloader, epoch)",
+          "sets the epoch of the sampler and of the batch sampler's sampler exactly as the loops do; no public API",
+          _exists("lightning.fabric.utilities.data:_set_sampler_epoch", "dataloader", "epoch")),
+    Piece("lightning.fabric.utilities.distributed._DatasetSamplerWrapper._sampler",
+          "the user's sampler inside DistributedSamplerWrapper; the wrapper exposes it no other way",
+          _assigns("lightning.fabric.utilities.distributed:_DatasetSamplerWrapper", "_sampler")),
+    Piece("lightning.pytorch.utilities.combined_loader.CombinedLoader._mode",
+          "whether the training loaders cycle; CombinedLoader has no public accessor",
+          _assigns(f"{_PL}.utilities.combined_loader:CombinedLoader", "_mode")),
+    Piece("lightning.fabric.wrappers._FabricDataLoader._dataloader, ._num_iter_calls",
+          "the wrapped loader and the count Fabric derives the sampler's epoch from; restoring a run must set it",
+          _assigns("lightning.fabric.wrappers:_FabricDataLoader", "_dataloader", "_num_iter_calls")),
+    # Lightning: launchers and strategy hooks the package overrides (a rename would silently disable the override)
+    Piece(f"{_MP_LAUNCHER.replace(':', '.')}",
+          "the spawn/fork launcher DDP strategies create; subclassed, as Lightning offers no launcher extension point",
+          _assigns(_MP_LAUNCHER, "_start_method", "_strategy", "procs")),
+    Piece("_MultiProcessingLauncher._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)",
+          "overridden: each rank's entry point (clean gloo exit, die with the parent, a clean SystemExit)",
+          _exists(f"{_MP_LAUNCHER}._wrapping_function", "self", "process_idx", "trainer", "function", "args",
+                  "kwargs", "return_queue")),
+    Piece("_MultiProcessingLauncher._recover_results_in_main_process(worker_output, trainer)",
+          "overridden: turns a rank's clean stop into SystemExit in the main process",
+          _exists(f"{_MP_LAUNCHER}._recover_results_in_main_process", "self", "worker_output", "trainer")),
+    Piece(f"{_SCRIPT_LAUNCHER.replace(':', '.')}._call_children_scripts",
+          "the popen launcher, subclassed and this hook overridden to tell child scripts their parent's pid",
+          lambda: _exists(f"{_SCRIPT_LAUNCHER}._call_children_scripts")()
+          and _assigns(_SCRIPT_LAUNCHER, "cluster_environment", "num_processes", "num_nodes")()),
+    Piece("lightning.pytorch.strategies.DDPStrategy._configure_launcher, Strategy._launcher",
+          "overridden to put the package's launcher in place of Lightning's; no public launcher setting",
+          lambda: _exists(f"{_PL}.strategies:DDPStrategy._configure_launcher")()
+          and _assigns(f"{_PL}.strategies:Strategy", "_launcher")()),
+    Piece("lightning.pytorch.strategies.DDPStrategy._register_ddp_hooks",
+          "overridden: the world-size-invariant mode must keep DDP's float all-reduce from running",
+          _exists(f"{_PL}.strategies:DDPStrategy._register_ddp_hooks", "self")),
+    # Lightning: the trainer's internals
+    Piece("lightning.pytorch.Trainer._accelerator_connector (.use_distributed_sampler, .cluster_environment)",
+          "the Trainer's own settings: no public property for `use_distributed_sampler` or the cluster environment",
+          lambda: _assigns(f"{_PL}:Trainer", "_accelerator_connector")()
+          and _assigns(f"{_PL}.trainer.connectors.accelerator_connector:_AcceleratorConnector",
+                       "use_distributed_sampler", "cluster_environment")()),
+    Piece("lightning.pytorch.Trainer._checkpoint_connector.hpc_save_path, ._signal_connector._slurm_sigusr_handler_fn",
+          "SLURM requeue at a step boundary must go through Lightning's own handler and checkpoint name",
+          lambda: _assigns(f"{_PL}:Trainer", "_checkpoint_connector", "_signal_connector")()
+          and _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.hpc_save_path")()
+          and _exists(f"{_PL}.trainer.connectors.signal_connector:_SignalConnector._slurm_sigusr_handler_fn")()),
+    Piece("lightning.pytorch.Trainer._teardown, ._results (.batch)",
+          "a rank stopping on purpose tears down as Lightning does; `_results.batch` tells a per-step collective",
+          lambda: _exists(f"{_PL}:Trainer._teardown")() and _exists(f"{_PL}:Trainer._results")()
+          and _assigns(f"{_PL}.trainer.connectors.logger_connector.result:_ResultCollection", "batch")()),
+    Piece("lightning.pytorch.LightningModule._trainer",
+          "the trainer, or None before it is attached (`.trainer` raises instead)",
+          _assigns(f"{_PL}:LightningModule", "_trainer")),
+    Piece("lightning.pytorch.loops.fit_loop._FitLoop._should_accumulate, ._combined_loader, .epoch_progress,"
+          " .epoch_loop.batch_progress",
+          "the loop's progress counters are the only record of where an epoch stands (resume, preemption)",
+          lambda: _exists(f"{_PL}.loops.fit_loop:_FitLoop._should_accumulate")()
+          and _assigns(f"{_PL}.loops.fit_loop:_FitLoop", "_combined_loader", "epoch_progress", "epoch_loop")()
+          and _assigns(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop", "batch_progress")()
+          and {"ready", "started", "processed", "completed"}
+          <= set(getattr(_lookup(f"{_PL}.loops.progress:_ProcessedTracker"), "__dataclass_fields__", {}))),
+    Piece("lightning.fabric.utilities.distributed._suggested_max_num_threads(num_processes)",
+          "the intra-op threads Lightning gives each rank, to tell a forked rank that would hang in OpenMP",
+          _exists("lightning.fabric.utilities.distributed:_suggested_max_num_threads", "num_processes")),
+    # torch
+    Piece("torch.utils.data._utils.signal_handling._remove_worker_pids",
+          "a stuck worker must be killed without torch's SIGCHLD handler reporting it as a crash",
+          _exists("torch.utils.data._utils.signal_handling:_remove_worker_pids")),
+    Piece("torch DataLoader._iterator, ._index_sampler; _BaseDataLoaderIter._sampler_iter, ._num_workers",
+          "resuming mid-epoch skips indices in the index sampler (overridden) and draws the first index early",
+          lambda: _assigns(f"{_DATA}:DataLoader", "_iterator")()
+          and isinstance(inspect.getattr_static(_lookup(f"{_DATA}:DataLoader"), "_index_sampler", None), property)
+          and _assigns(f"{_DATA}:_BaseDataLoaderIter", "_sampler_iter", "_num_workers")()),
+    Piece("torch _MultiProcessingDataLoaderIter._workers, ._worker_pids_set, ._shutdown_workers",
+          "workers stuck in CPython's fork deadlock (gh-112275) must be found and stopped",
+          lambda: _assigns(f"{_DATA}:_MultiProcessingDataLoaderIter", "_workers", "_worker_pids_set")()
+          and _exists(f"{_DATA}:_MultiProcessingDataLoaderIter._shutdown_workers")()),
+    Piece("torch._dynamo.decorators.mark_unbacked",
+          "one compiled perplexity kernel for every batch size; torch.compile has no public equivalent",
+          _exists("torch._dynamo.decorators:mark_unbacked")),
+    Piece("torch.nn.modules.batchnorm._BatchNorm",
+          "the one base of every batch-norm layer (1d/2d/3d, lazy, sync); nothing public covers them all",
+          _exists("torch.nn.modules.batchnorm:_BatchNorm")),
+    # torchmetrics
+    Piece("torchmetrics.Metric._wrap_update, ._defaults, ._apply(fn, exclude_state), ._plot",
+          "exact metrics give their extra update methods torchmetrics' bookkeeping and lock their int64 states",
+          lambda: _exists("torchmetrics:Metric._wrap_update")() and _assigns("torchmetrics:Metric", "_defaults")()
+          and _exists("torchmetrics:Metric._apply", "self", "fn", "exclude_state")()
+          and _exists("torchmetrics:Metric._plot")()),
+    Piece("torchmetrics.utilities.plot._AX_TYPE, _PLOT_OUT_TYPE",
+          "the types of `Metric.plot`, which the metrics keep", _exists("torchmetrics.utilities.plot:_PLOT_OUT_TYPE")),
+)  # fmt: skip
+
+
+def versions() -> str:
+    """The installed versions that matter here, for messages."""
+    return f"lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}, torch {torch.__version__}"
+
+
+def _message(missing: list[str]) -> str:
+    listed = "".join(f"\n  - {item}" for item in missing)
+    return (
+        f"lightning_determinism {__version__} cannot run with the installed {versions()}; what it relies on is"
+        f" missing or changed:{listed}\nInstall a tested combination (docs/compatibility.md: lightning>="
+        f"{LIGHTNING_FLOOR}; the newest tested is in the README) or report this version."
+    )
+
+
+def check_compat() -> None:
+    """Check that every private name the package needs still exists with the expected shape.
+
+    Raises:
+        IncompatibleVersionError: naming the installed versions and every missing piece with its purpose.
+
+    Examples:
+        >>> check_compat()  # the installed versions are fine
+    """
+    missing = [f"{piece.name}: {piece.why}" for piece in PIECES if not piece.present()]
+    if missing:
+        raise IncompatibleVersionError(_message(missing))
+
+
+def _private(obj: Any, name: str) -> Any:
+    """``obj.<name>``, or a clear error naming the versions where this release has no such attribute."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        owner = obj.__qualname__ if isinstance(obj, type) else type(obj).__qualname__
+        raise IncompatibleVersionError(_message([f"`{owner}.{name}` (read at run time)"])) from None
+
+
+def accelerator_connector(trainer: Any) -> Any:
+    """The trainer's accelerator connector (``use_distributed_sampler``, ``cluster_environment``)."""
+    return _private(trainer, "_accelerator_connector")
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current batch only accumulates gradients (the optimizer does not step after it)."""
+    return bool(_private(trainer.fit_loop, "_should_accumulate")())
+
+
+def combined_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` of training loaders (``None`` before the loop set it up)."""
+    return _private(trainer.fit_loop, "_combined_loader")
+
+
+def combined_mode(combined: Any) -> str:
+    """A ``CombinedLoader``'s mode (``"max_size_cycle"``, ...)."""
+    return str(_private(combined, "_mode"))
+
+
+def trainer_results(trainer: Any) -> Any:
+    """The trainer's logged-results collection of the running loop (``None`` outside one)."""
+    return _private(trainer, "_results")
+
+
+def teardown_trainer(trainer: Any) -> None:
+    """Tear the trainer down as Lightning does after a run (a rank that stops on purpose)."""
+    _private(trainer, "_teardown")()
+
+
+def slurm_requeue(trainer: Any, signum: int) -> str:
+    """Run Lightning's own SLURM ``SIGUSR1`` handler (checkpoint, requeue); returns the checkpoint's path."""
+    path = str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))  # before it saves
+    _private(_private(trainer, "_signal_connector"), "_slurm_sigusr_handler_fn")(signum, None)
+    return path
+
+
+def module_trainer(module: Any) -> Any:
+    """The trainer a ``LightningModule`` is attached to, ``None`` if none (or no module)."""
+    return None if module is None else _private(module, "_trainer")
+
+
+def swap_launcher(strategy: Any, replace: Callable[[Any], Any]) -> None:
+    """Put ``replace(launcher)`` in place of the launcher a strategy configured."""
+    strategy._launcher = replace(_private(strategy, "_launcher"))
+
+
+def launcher_start_method(launcher: Any) -> str:
+    """A spawn/fork launcher's start method."""
+    return str(_private(launcher, "_start_method"))
+
+
+def launcher_strategy(launcher: Any) -> Any:
+    """The strategy a spawn/fork launcher starts ranks for."""
+    return _private(launcher, "_strategy")
+
+
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper``; ``None`` for any other sampler."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    return _private(sampler.dataset, "_sampler") if isinstance(sampler, DistributedSamplerWrapper) else None
+
+
+def fabric_inner_loader(loader: Any) -> Any:
+    """The ``DataLoader`` inside Fabric's wrapper (or the loader itself)."""
+    return _private(loader, "_dataloader") if isinstance(loader, FabricDataLoader) else loader
+
+
+def fabric_iterations(loader: Any) -> int:
+    """How many times Fabric's wrapper was iterated; 0 for any other loader."""
+    return int(_private(loader, "_num_iter_calls")) if isinstance(loader, FabricDataLoader) else 0
+
+
+def set_fabric_iterations(loader: Any, count: int) -> None:
+    """Set how many times Fabric's wrapper was iterated (Fabric sets the sampler's epoch from it); others: nothing."""
+    if isinstance(loader, FabricDataLoader):
+        _private(loader, "_num_iter_calls")
+        loader._num_iter_calls = count
+
+
+def loader_iterator(loader: Any) -> Any:
+    """A ``DataLoader``'s persistent-workers iterator (``None`` until one exists)."""
+    return _private(loader, "_iterator")
+
+
+def drop_loader_iterator(loader: Any) -> None:
+    """Forget a ``DataLoader``'s persistent-workers iterator: the next ``iter()`` starts new workers."""
+    _private(loader, "_iterator")
+    loader._iterator = None
+
+
+def base_index_sampler(cls: type, loader: Any) -> Any:
+    """The index sampler of ``loader`` as the ``DataLoader`` class ``cls`` defines it (its ``_index_sampler``)."""
+    return _private(cls, "_index_sampler").fget(loader)
+
+
+def worker_processes(iterator: Any) -> list[Any]:
+    """The worker processes of a multi-process ``DataLoader`` iterator; ``[]`` for any other iterator."""
+    return list(_private(iterator, "_workers")) if isinstance(iterator, _MultiProcessingDataLoaderIter) else []
+
+
+def forget_worker_pids(iterator: Any) -> None:
+    """Take the iterator's workers out of torch's SIGCHLD watch, so killing them is not reported as a crash."""
+    if _private(iterator, "_worker_pids_set"):
+        _remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+
+
+def shutdown_workers(iterator: Any) -> None:
+    """Stop a multi-process ``DataLoader`` iterator's workers."""
+    _private(iterator, "_shutdown_workers")()
+
+
+def sampler_iter(iterator: Any) -> Iterator[Any] | None:
+    """The index iterator of a single-process ``DataLoader`` iterator; ``None`` otherwise (workers drew already)."""
+    if not isinstance(iterator, _BaseDataLoaderIter) or int(_private(iterator, "_num_workers")):
+        return None
+    return _private(iterator, "_sampler_iter")  # type: ignore[no-any-return]
+
+
+def set_sampler_iter(iterator: Any, indices: Iterator[Any]) -> None:
+    """Replace the index iterator of a single-process ``DataLoader`` iterator."""
+    _private(iterator, "_sampler_iter")
+    iterator._sampler_iter = indices
+
+
+def metric_defaults(metric: Any) -> dict[str, Any]:
+    """A torchmetrics ``Metric``'s state defaults (what ``reset()`` restores)."""
+    return _private(metric, "_defaults")  # type: ignore[no-any-return]
+
+
+check_compat()  # at import: one clear error instead of an AttributeError (or a wrong result) later
+if _import_error is not None:  # pragma: no cover  (a name the pieces above do not describe)
+    raise IncompatibleVersionError(_message([str(_import_error)])) from _import_error
+
+# fmt: off
+__all__ = [
+    "AX_TYPE", "BatchNorm", "FabricDataLoader", "LIGHTNING_FLOOR", "MultiProcessingLauncher", "PIECES",
+    "PLOT_OUT_TYPE", "Piece", "SubprocessScriptLauncher", "accelerator_connector", "base_index_sampler",
+    "check_compat", "combined_loader", "combined_mode", "drop_loader_iterator", "fabric_inner_loader",
+    "fabric_iterations", "forget_worker_pids", "launcher_start_method", "launcher_strategy",
+    "loader_iterator", "mark_unbacked", "metric_defaults", "module_trainer", "sampler_iter", "set_fabric_iterations",
+    "set_sampler_epoch", "set_sampler_iter", "should_accumulate", "shutdown_workers", "slurm_requeue",
+    "suggested_max_num_threads", "swap_launcher", "teardown_trainer", "trainer_results", "update_dataloader",
+    "versions", "worker_processes", "wrapped_sampler",
+]
+# fmt: on
