@@ -92,10 +92,8 @@ class PaddingWarningFilter:
     def remove(self) -> None:
         """Take this filter out again, leaving every other one as it is."""
         if self._entry is not None and self._entry in warnings.filters:
+            # An "ignore" leaves nothing in the callers' warning registries: taking the entry out is all it takes.
             warnings.filters.remove(self._entry)  # type: ignore[attr-defined]  # a list at run time
-            mutated = getattr(warnings, "_filters_mutated", None)  # forget what the removed filter decided
-            if mutated is not None:
-                mutated()
         self._entry = None
 
 

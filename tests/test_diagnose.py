@@ -271,3 +271,16 @@ print(codes, sorted(m for m in ("torch", "lightning", "lightning_determinism") i
                             timeout=CHILD_TIMEOUT_S)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[0, 2, 2] []"
+
+
+def test_unwrap_finds_the_users_module_inside_fabrics_wrapper():
+    import lightning as L
+    from torch import nn
+
+    from lightning_determinism.diagnosis.recorder import unwrap
+
+    model = nn.Linear(2, 2)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    wrapped = fabric.setup_module(model)
+    assert wrapped is not model and unwrap(wrapped) is model
+    assert unwrap(model) is model

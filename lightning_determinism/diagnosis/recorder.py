@@ -70,10 +70,12 @@ def check_steps(steps: object) -> tuple[int, ...]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside Fabric's and DDP's wrappers (whose parameter names carry a prefix)."""
+    from lightning.fabric.wrappers import is_wrapped
+
     while True:
-        inner = getattr(model, "_original_module", None)
-        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
-            inner = model.module
+        inner = None
+        if (is_wrapped(model) or isinstance(model, nn.parallel.DistributedDataParallel)) and hasattr(model, "module"):
+            inner = model.module  # Fabric's public accessor of the module it wrapped, and DDP's
         if not isinstance(inner, nn.Module) or inner is model:
             return model
         model = inner
