@@ -10,7 +10,7 @@
    (denominators at least 1e-3 of the largest) and the relative L2 error, worst over a few steps.
    Both sum the same float32 micro-batch gradients (16 per step, 8 per process); the reference sums them in float64.
 
-    python benchmarks/invariance.py [--steps 12]
+    python benchmarks/invariance.py [--steps 12] [--rounds 3] [--reseed-only]
 """
 
 from __future__ import annotations
@@ -225,6 +225,7 @@ def reseed(number: int = 20_000) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating DDP/invariant fits per model")
     parser.add_argument("--reseed-only", action="store_true", help="only section 3 (no multi-process runs)")
     args = parser.parse_args()
     if args.reseed_only:
@@ -234,8 +235,12 @@ def main() -> None:
     print("1. median optimizer-step time on 2 gloo processes (same micro-batches)")
     print(f"   {'':34s}{'DDP':>12s}{'invariant':>12s}{'ratio':>10s}   invariant mode's own time per step")
     for name in ("tiny LM", "~10M-parameter MLP"):
-        ddp = time_steps(name, "ddp", args.steps)
-        inv = time_steps(name, "invariant", args.steps)
+        # Alternating rounds, so that the machine's drift hits both modes alike; the median round of each.
+        rounds = {mode: [time_steps(name, mode, args.steps) for _ in range(1)] for mode in ("ddp", "invariant")}
+        for _ in range(args.rounds - 1):
+            for mode in ("ddp", "invariant"):
+                rounds[mode].append(time_steps(name, mode, args.steps))
+        ddp, inv = (sorted(rounds[mode], key=lambda r: r["step"])[len(rounds[mode]) // 2] for mode in rounds)
         parts = ", ".join(f"{k} {inv[k] / (inv['steps'] + 3) * 1e3:.1f} ms" for k in TIMES)
         ratio = inv["step"] / ddp["step"]
         print(f"   {name:34s}{ddp['step'] * 1e3:>10.1f}ms{inv['step'] * 1e3:>10.1f}ms{ratio:>9.2f}x   {parts}")
