@@ -114,8 +114,8 @@ class DeterministicStrategyMixin(SeedingProperties):
     def check_before_launch(self, trainer: pl.Trainer, module: Any) -> None:
         """The invariant mode's checks that the main process can make before the launcher starts the ranks.
 
-        Called by the package's launchers (and by ``setup`` where none launches); a refusal is then one error in one
-        process instead of a traceback from every rank.
+        Called by the package's launchers before they start the ranks; a refusal is then one error in one process
+        instead of a traceback from every rank. ``setup`` checks again inside each rank (torchrun, single device).
         """
         if self.invariant is not None and trainer.state.fn == "fit" and module is not None:
             world_size = self._ldet_planned_world_size()

@@ -14,8 +14,6 @@ the batch that completed a step takes the parameters and optimizer states.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -62,15 +60,6 @@ class DivergenceProbe(ProbeRecorder, Callback):
         >>> probe.steps, probe.recording(2), probe.recording(3)
         ((3, 4), False, True)
     """
-
-    def __init__(
-        self,
-        path: str | Path,
-        steps: int | Sequence[int] = 5,
-        modules: Sequence[str] | None = None,
-        record_ops: bool = True,
-    ) -> None:
-        super().__init__(path, steps, modules, record_ops)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
