@@ -41,6 +41,8 @@ from lightning_determinism._compat import (
 )
 from lightning_determinism._index_skip import SkipOnce, prime
 from lightning_determinism._worker_start import create_iterator
+from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
+from lightning_determinism.data.stream_loader import create_stream_iterator, stream_position
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 
@@ -147,13 +149,15 @@ class ResumableLoaderMixin:
 
     def _ldet_create_iterator(self) -> Iterator[Any]:
         trainer = self._ldet_trainer()
-        resume = _take_resume(trainer, self)
+        resume = take_resume(trainer, self)
         # The loader's own class (DataLoader or the user's subclass of it), forking safely.
         parent_iter = self._ldet_base().__iter__.__get__(self)
 
         def create() -> Any:
             return self._ldet_fork(parent_iter)
 
+        if getattr(self, "_ldet_stream", False):
+            return self._ldet_create_stream(trainer, resume, create)
         if resume is None:
             self._ldet_set_epoch(_current_epoch(trainer))
             self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
@@ -192,6 +196,28 @@ class ResumableLoaderMixin:
             self._ldet_skip = None
             self._ldet_skip_sampler = None
             self._ldet_restore(now)
+
+
+    def _ldet_create_stream(self, trainer: Any, resume: dict[str, Any] | None, create: Any) -> Iterator[Any]:
+        """An iterable dataset's iterator (see :mod:`~lightning_determinism.data.streams`)."""
+        if resume is None:
+            epoch = _loader_epoch(self, trainer)
+            self._ldet_set_epoch(epoch)
+            return create_stream_iterator(self, trainer, epoch, None, create)  # type: ignore[no-any-return]
+        epoch = int(resume["epoch"])
+        self._ldet_set_epoch(epoch)
+        now = self._ldet_snapshot(True)  # what creating the iterator draws, the uninterrupted run drew at epoch start
+        try:
+            return create_stream_iterator(self, trainer, epoch, resume.get("stream"), create)  # type: ignore[no-any-return]
+        finally:
+            self._ldet_restore(now)
+
+
+def _loader_epoch(loader: Any, trainer: Any) -> int:
+    if trainer is not None:
+        return _current_epoch(trainer)
+    epoch = getattr(loader, "_ldet_epoch", None)  # Fabric: the number of earlier iterations (set by __iter__)
+    return int(epoch) if epoch is not None else 0
 
 
 def _warn_if_not_bitwise(loader: Any) -> None:
@@ -248,8 +274,8 @@ def make_fork_safe(dataloader: object, trainer: Any = None) -> object:
         >>> [batch.tolist() for batch in loader]
         [[0, 1], [2, 3]]
     """
-    if not isinstance(dataloader, DataLoader):
-        return dataloader
+    if not isinstance(dataloader, DataLoader) or is_stateful_loader(dataloader):
+        return dataloader  # a loader with a state of its own (litdata) creates its workers itself
     resumable = bool(getattr(dataloader, "_ldet_resumable", False))
     return _convert(dataloader, trainer, resumable)
 
@@ -273,7 +299,11 @@ def make_resumable(dataloader: object, trainer: Any) -> object:
         )
     if not isinstance(dataloader, DataLoader):
         return dataloader
-    return _convert(dataloader, trainer, resumable=not isinstance(dataloader.dataset, IterableDataset))
+    if is_stateful_loader(dataloader):
+        return make_stateful(dataloader, trainer)
+    converted = _convert(dataloader, trainer, resumable=True)
+    converted._ldet_stream = isinstance(dataloader.dataset, IterableDataset)  # type: ignore[attr-defined]
+    return converted
 
 
 def _current_epoch(trainer: Any) -> int:
@@ -298,7 +328,11 @@ def set_plan(trainer: Any, states: list[dict[str, Any]] | None) -> None:
     setattr(trainer, PLAN_ATTR, list(states) if states else None)
 
 
-def _take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
+def take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
+    pending = getattr(loader, PLAN_ATTR, None)  # Fabric: FabricRNGState gives each loader its own
+    if pending is not None:
+        setattr(loader, PLAN_ATTR, None)
+        return pending  # type: ignore[no-any-return]
     plan = getattr(trainer, PLAN_ATTR, None)
     if not plan:
         return None
@@ -343,8 +377,14 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
     limits = getattr(combined, "limits", None) or [None] * len(combined.flattened)
     positions: list[dict[str, Any]] = []
     for loader, limit in zip(combined.flattened, limits, strict=False):
+        if is_stateful_loader(loader) and hasattr(loader, "_ldet_position_at"):
+            positions.append({"epoch": epoch, **loader._ldet_position_at(consumed, finished)})
+            continue
         if finished or not (is_converted(loader) and loader._ldet_resumable):
             positions.append({"epoch": epoch, "skip": 0, "epoch_start": None})
+            continue
+        if getattr(loader, "_ldet_stream", False):
+            positions.append({"epoch": epoch, "skip": 0, "epoch_start": None, "stream": stream_position(loader, consumed)})
             continue
         length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
         cycles = combined_mode(combined) == "max_size_cycle" and length < total
@@ -363,4 +403,5 @@ __all__ = [
     "make_resumable",
     "next_train_epoch",
     "set_plan",
+    "take_resume",
 ]

@@ -1,0 +1,156 @@
+"""Loaders that keep their own position (litdata's ``StreamingDataLoader``): their state, taken at the right batch.
+
+A ``DataLoader`` subclass with ``state_dict()`` / ``load_state_dict()`` of its own knows its position better than
+anyone; the deterministic strategies leave its iterator, workers and sampling alone and only fix what goes wrong
+around it under Lightning:
+
+- Lightning saves the loader's ``state_dict()`` while it has already fetched the next batch (its fetcher runs one
+  batch ahead), so a resumed run skips that batch. The converted loader records its state after every batch it
+  delivers and :class:`~lightning_determinism.RNGStateCheckpoint` saves the one of the last *consumed* batch, per
+  rank; Lightning's own copy is not loaded back (``load_state_dict`` ignores calls while converted).
+- At an epoch boundary there is no mid-epoch state to load: a loader that counts epochs itself (``current_epoch``,
+  litdata's shuffle seed) gets its counter back instead.
+- Resumed mid-epoch, creating the iterator draws a worker seed from the main process's RNG at a point where the
+  uninterrupted run drew none: the RNG states are put back after the first batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
+
+HISTORY = 16
+"""Delivered batches whose state is kept (Lightning's fetcher runs one ahead)."""
+
+
+def is_stateful_loader(loader: object) -> bool:
+    """Whether ``loader`` is a ``DataLoader`` whose own class defines ``state_dict`` and ``load_state_dict``.
+
+    Examples:
+        >>> is_stateful_loader(DataLoader(range(3)))
+        False
+    """
+    if not isinstance(loader, DataLoader):
+        return False
+    for cls in type(loader).__mro__:
+        if cls in (DataLoader, object) or "_ldet_converted" in vars(cls):
+            continue  # ours: the resumable loaders' marker state_dict, the stateful loaders' load_state_dict
+        if "state_dict" in vars(cls) and "load_state_dict" in vars(cls):
+            return True
+    return False
+
+
+class _StatefulIterator:
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.inner: Iterator[Any] | None = None
+
+    def __iter__(self) -> _StatefulIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self.loader
+        base = type(loader).__bases__[0]
+        if self.inner is None:
+            resume = loader._ldet_take_resume()
+            if resume is not None and resume.get("loader_state") is not None:
+                loader._ldet_load(resume["loader_state"])
+                now = capture_cpu_streams()
+                self.inner = iter(base.__iter__(loader))
+                loader._ldet_history.clear()
+                loader._ldet_batches = int(resume["batches"])
+                try:
+                    batch = next(self.inner)
+                finally:
+                    restore_cpu_streams(now)  # what creating the iterator drew, the uninterrupted run did not
+                return self._delivered(batch)
+            if resume is not None and resume.get("loader_epoch") is not None and hasattr(loader, "current_epoch"):
+                loader.current_epoch = int(resume["loader_epoch"])
+            if getattr(loader, "restore", False) is True:
+                loader.restore = False  # litdata: left set by a resumed epoch whose generator was not run to its end
+            loader._ldet_epoch_before = int(getattr(loader, "current_epoch", 0))
+            loader._ldet_history.clear()
+            loader._ldet_batches = 0
+            self.inner = iter(base.__iter__(loader))
+        return self._delivered(next(self.inner))
+
+    def _delivered(self, batch: Any) -> Any:
+        loader = self.loader
+        loader._ldet_batches += 1
+        loader._ldet_history.append((loader._ldet_batches, type(loader).__bases__[0].state_dict(loader)))
+        return batch
+
+
+class StatefulLoaderMixin:
+    """The methods a converted stateful loader gains (copied into a direct subclass, as for the resumable loaders)."""
+
+    _ldet_history: deque[tuple[int, dict[str, Any]]]
+    _ldet_batches: int
+    _ldet_epoch_before: int
+    _ldet_loading: bool
+    _ldet_trainer: Any
+
+    def __iter__(self) -> Iterator[Any]:
+        return _StatefulIterator(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Ignored while converted: the position comes from ``RNGStateCheckpoint``'s entry (see the module notes)."""
+        if self._ldet_loading:
+            type(self).__bases__[0].load_state_dict(self, state_dict)
+
+    def _ldet_load(self, state: dict[str, Any]) -> None:
+        self._ldet_loading = True
+        try:
+            self.load_state_dict(state)
+        finally:
+            self._ldet_loading = False
+
+    def _ldet_take_resume(self) -> dict[str, Any] | None:
+        from lightning_determinism.resumable import take_resume  # resumable imports this module
+
+        return take_resume(self._ldet_trainer(), self)
+
+    def _ldet_position_at(self, consumed: int, finished: bool) -> dict[str, Any]:
+        """The position to save after ``consumed`` batches of the epoch, or at the next epoch's start (``finished``)."""
+        if finished or consumed == 0:
+            epoch = getattr(self, "current_epoch", None) if finished else self._ldet_epoch_before
+            return {"loader_epoch": None if epoch is None else int(epoch), "batches": 0}
+        for batches, state in self._ldet_history:
+            if batches == consumed:
+                return {"loader_state": state, "batches": consumed}
+        raise RuntimeError(
+            f"the state of `{type(self).__name__}` after batch {consumed} of the epoch is no longer known (kept: the"
+            f" last {HISTORY} delivered batches, up to {self._ldet_batches})"
+        )
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_stateful(loader: DataLoader, trainer: Any) -> DataLoader:
+    """Convert a stateful loader in place (its class becomes a direct subclass of its own with the mixin's methods)."""
+    cls = type(loader)
+    if not getattr(cls, "_ldet_stateful", False):
+        if cls not in _CLASSES:
+            skip = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__annotations__"}
+            methods = {k: v for k, v in vars(StatefulLoaderMixin).items() if k not in skip}
+            _CLASSES[cls] = type(
+                f"Stateful{cls.__name__}", (cls,), {**methods, "__module__": __name__, "_ldet_stateful": True,
+                                                    "_ldet_converted": True}
+            )
+        loader.__class__ = _CLASSES[cls]
+        loader._ldet_history = deque(maxlen=HISTORY)  # type: ignore[attr-defined]
+        loader._ldet_batches = 0  # type: ignore[attr-defined]
+        loader._ldet_epoch_before = int(getattr(loader, "current_epoch", 0))  # type: ignore[attr-defined]
+        loader._ldet_loading = False  # type: ignore[attr-defined]
+    loader._ldet_trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
+    return loader
+
+
+__all__ = ["StatefulLoaderMixin", "is_stateful_loader", "make_stateful"]

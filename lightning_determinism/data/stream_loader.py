@@ -1,0 +1,143 @@
+"""The loader side of resumable streams: creating a converted stream loader's iterator, and its saved position.
+
+Called by :class:`~lightning_determinism.resumable.ResumableLoaderMixin` for a ``DataLoader`` over an
+``IterableDataset`` (see :mod:`~lightning_determinism.data.streams` for the mechanism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_determinism.data.streams import (
+    IsolatedStreams,
+    StreamIterator,
+    StreamPlan,
+    StreamPosition,
+    StreamProxy,
+    TagCollate,
+    has_state_protocol,
+)
+from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.seeding import current_seeds
+
+
+def stream_plan(loader: Any, trainer: Any) -> StreamPlan:
+    """The loader's plan, made at its first iterator (the base seed and rank are known by then)."""
+    plan = getattr(loader, "_ldet_stream_plan", None)
+    if plan is None:
+        base = current_seeds()["base_seed"]
+        if trainer is not None:
+            rank = int(trainer.global_rank)
+        else:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        plan = StreamPlan(0 if base is None else int(base), rank)
+        loader._ldet_stream_plan = plan
+        loader._ldet_isolated = IsolatedStreams()
+    return plan  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _standing_in(loader: Any, proxy: StreamProxy, collate: TagCollate) -> Iterator[None]:
+    """The proxy and the tagging collate function in the loader while it creates an iterator (read at creation)."""
+    dataset, collate_fn = loader.dataset, loader.collate_fn
+    object.__setattr__(loader, "dataset", proxy)  # DataLoader refuses `dataset` assignments after __init__
+    loader.collate_fn = collate
+    try:
+        yield
+    finally:
+        object.__setattr__(loader, "dataset", dataset)
+        loader.collate_fn = collate_fn
+
+
+def _resume_plan(loader: Any, plan: StreamPlan, epoch: int, saved: dict[str, Any] | None, workers: int) -> int:
+    """Load ``saved`` (a position from a checkpoint) into ``plan``; returns the worker whose batch comes first."""
+    plan.resume_epoch, plan.resume = -1, {}
+    if saved is None:
+        return 0
+    if int(saved["workers"]) != workers:
+        warnings.warn(
+            f"The position of `{type(loader.dataset).__name__}` was saved with {saved['workers']} stream(s) per rank"
+            f" (num_workers) and the loader now has {workers}: the interrupted epoch of this stream restarts at its"
+            " first sample, so samples already trained on in it are seen again.",
+            DeterminismWarning,
+            stacklevel=2,
+        )
+        return 0
+    plan.resume_epoch = epoch
+    plan.resume = {
+        w: {"items": int(saved["items"][w]), "digest": int(saved["digests"][w]), "state": saved["states"][w]}
+        for w in range(workers)
+    }
+    return (int(saved["last_worker"]) + 1) % workers
+
+
+def create_stream_iterator(loader: Any, trainer: Any, epoch: int, saved: dict[str, Any] | None, create: Any) -> Any:
+    """The iterator of a converted stream loader for ``epoch``, resuming at ``saved`` (a position) when given.
+
+    ``create()`` builds PyTorch's iterator the way the loader does for map-style data (saved RNG states, fork
+    safety); here it runs with the proxy and the tagging collate function standing in.
+    """
+    plan = stream_plan(loader, trainer)
+    plan.epoch.fill_(epoch)
+    workers = max(1, int(loader.num_workers))
+    first = _resume_plan(loader, plan, epoch, saved, workers)
+    isolated = loader._ldet_isolated if int(loader.num_workers) == 0 else None
+    proxy = StreamProxy(loader.dataset, plan, loader.batch_sampler is not None, isolated)
+    collate = TagCollate(loader.collate_fn, plan.token, loader.batch_sampler is not None)
+    with _standing_in(loader, proxy, collate):
+        inner = create()
+    keep = saved if plan.resume else None
+    position = StreamPosition(workers, keep)
+    loader._ldet_position = position
+    return _Warning(StreamIterator(inner, position, first if keep else 0, isolated), loader)
+
+
+class _Warning:
+    """Passes the batches on; warns once if a worker's replay did not reproduce what the saved run delivered."""
+
+    def __init__(self, inner: StreamIterator, loader: Any) -> None:
+        self.inner, self.name = inner, type(loader.dataset).__name__
+        self._warned = False
+
+    def __iter__(self) -> _Warning:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        if self.inner.replay_failures and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"`{self.name}` did not replay the samples it delivered before the checkpoint (worker(s)"
+                f" {sorted(set(self.inner.replay_failures))}): its order is not a function of the seeds (a source"
+                " that changes, randomness of its own). The resume skipped as many samples as were consumed, but not"
+                " the same ones. Give the dataset `state_dict()` / `load_state_dict()` (docs/streaming.md).",
+                DeterminismWarning,
+                stacklevel=2,
+            )
+        return batch
+
+
+def stream_position(loader: Any, consumed: int) -> dict[str, Any] | None:
+    """The saved form of the loader's position after ``consumed`` batches of the current epoch, if it began."""
+    position: StreamPosition | None = getattr(loader, "_ldet_position", None)
+    if position is None:
+        return None
+    return position.at(consumed)
+
+
+def describe(dataset: object) -> str:
+    """How a stream over ``dataset`` resumes, in words (for messages and the docs' examples).
+
+    Examples:
+        >>> describe(range(3))
+        'replayed from the seeds'
+    """
+    return "restored by its state_dict()" if has_state_protocol(dataset) else "replayed from the seeds"
+
+
+__all__ = ["create_stream_iterator", "describe", "stream_plan", "stream_position"]

@@ -1,0 +1,339 @@
+"""Iterable training data that resumes mid-epoch at the exact sample: the state protocol, or replay in the workers.
+
+A training ``DataLoader`` over an ``IterableDataset`` is converted by the deterministic strategies like a map-style
+one (:mod:`~lightning_determinism.resumable`), with a stream's own machinery:
+
+- **Its own streams.** Each worker seeds python, numpy and torch at the start of every epoch from
+  ``derive_seed(base, rank, "stream", worker, epoch)`` (and calls the dataset's ``set_epoch(epoch)`` when it has
+  one); with ``num_workers=0`` the dataset draws from streams of its own, swapped in around each batch, so the data
+  never depends on the random numbers the model drew. An epoch's stream is then a function of the seeds.
+- **Tagged batches.** In the worker, each batch leaves with the worker's id, its number of items, a digest of its
+  last item and, for datasets with the state protocol, ``dataset.state_dict()`` plus the worker's RNG states; the
+  main process strips the tag and keeps, per worker, what the training loop consumed (Lightning fetches one batch
+  ahead: the position is taken at the consumed batch, not the fetched one).
+- **Resume.** Each worker restores its position before it yields anything: ``load_state_dict(state)`` and its RNG
+  states (O(1)) when the dataset has the protocol, else it replays its own stream from the epoch's seeds and drops
+  the items it already delivered (no model compute), checking the last dropped item against the saved digest. The
+  main process then hands out the workers' batches in the order of the uninterrupted run (PyTorch restarts its
+  round-robin at worker 0; the interrupted epoch continued at another).
+
+The state protocol: ``state_dict() -> dict`` (the position after the items yielded so far in this epoch, small,
+plain values) and ``load_state_dict(state)`` (continue from there at the next ``iter``). Hugging Face's
+``IterableDataset`` has it, but loses its shuffle buffer (datasets #7901): a shuffled one is replayed instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_determinism._index_skip import consume
+from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
+from lightning_determinism.seeding import derive_seed
+
+HISTORY = 16
+"""Batches fetched beyond the consumed ones that a position can still be taken back from (Lightning fetches one)."""
+
+_ACTIVE: dict[str, tuple[int, Any, bool]] = {}
+"""Per process: a stream's token -> (worker, dataset, whether its state travels with each batch)."""
+
+
+def has_state_protocol(dataset: object) -> bool:
+    """Whether ``dataset.state_dict()`` / ``load_state_dict()`` restore its position exactly (else it is replayed).
+
+    Examples:
+        >>> has_state_protocol(range(3))
+        False
+    """
+    if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+        return False
+    module = type(dataset).__module__
+    if module.startswith("datasets."):  # Hugging Face: its state drops the shuffle buffer (datasets #7901)
+        return getattr(dataset, "_shuffling", True) is None  # noqa: B009  (absent in another release: replay)
+    return True
+
+
+def item_digest(item: Any) -> int:
+    """A cheap digest of one item (tensors by their first 64 KiB, shapes and dtypes; other values by ``repr``).
+
+    Examples:
+        >>> item_digest({"x": torch.arange(3)}) == item_digest({"x": torch.arange(3)})
+        True
+        >>> item_digest(torch.arange(3)) == item_digest(torch.arange(1, 4))
+        False
+    """
+    crc = 0
+    stack = [item]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().reshape(-1)[: 65536 // max(1, value.element_size())].cpu().contiguous()
+            crc = zlib.crc32(repr((tuple(value.shape), str(value.dtype))).encode(), crc)
+            crc = zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"", crc)
+        elif isinstance(value, np.ndarray):
+            stack.append(torch.from_numpy(np.ascontiguousarray(value)))
+        elif isinstance(value, dict):
+            for key in sorted(value, key=repr):
+                crc = zlib.crc32(repr(key).encode(), crc)
+                stack.append(value[key])
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        else:
+            crc = zlib.crc32(repr(value).encode(), crc)
+    return crc
+
+
+class StreamPlan:
+    """What every copy of a stream's dataset needs: seeds, the shared epoch and, for one epoch, where to resume.
+
+    ``resume`` maps a worker to ``{"items": n, "digest": d, "state": s}``: its delivered items, the digest of the
+    last one and, with the state protocol, ``{"dataset": ..., "rng": ...}`` after it.
+    """
+
+    def __init__(self, base_seed: int, rank: int) -> None:
+        self.token = uuid.uuid4().hex
+        self.base_seed, self.rank = int(base_seed), int(rank)
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self.resume_epoch = -1
+        self.resume: dict[int, dict[str, Any]] = {}
+
+
+class StreamProxy(IterableDataset):  # type: ignore[type-arg]
+    """Stands in for the user's dataset while a converted loader creates its iterator (see the module notes)."""
+
+    def __init__(self, dataset: Any, plan: StreamPlan, batched: bool, isolated: IsolatedStreams | None) -> None:
+        self.dataset, self.plan, self.batched = dataset, plan, batched
+        self.isolated = isolated  # num_workers=0: the main process's private streams (not sent to workers)
+        self.stateful = has_state_protocol(dataset)
+        self._resumed: set[int] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "isolated": None}
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        epoch = int(self.plan.epoch)
+        context = self.isolated.active() if info is None and self.isolated is not None else contextlib.nullcontext()
+        with context:
+            seed = derive_seed(self.plan.base_seed, self.plan.rank, "stream", worker, epoch)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.default_generator.manual_seed(seed)
+            set_epoch = getattr(self.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+            resume = None
+            if epoch == self.plan.resume_epoch and epoch not in self._resumed:
+                self._resumed.add(epoch)
+                resume = self.plan.resume.get(worker)
+            replay_ok: bool | None = None
+            if resume is not None and resume.get("state") is not None and self.stateful:
+                self.dataset.load_state_dict(resume["state"]["dataset"])
+                iterator = iter(self.dataset)
+                restore_cpu_streams(resume["state"]["rng"])
+            else:
+                iterator = iter(self.dataset)
+                if resume is not None and int(resume["items"]) > 0:
+                    consume(iterator, int(resume["items"]) - 1)
+                    last = next(iterator, _END)
+                    replay_ok = last is not _END and item_digest(last) == int(resume["digest"])
+        _ACTIVE[self.plan.token] = (worker, self.dataset, self.stateful)
+        if replay_ok is not None:
+            _REPLAY_CHECKS[self.plan.token] = replay_ok
+        return iterator
+
+
+_END = object()
+_REPLAY_CHECKS: dict[str, bool] = {}
+"""Per process: the outcome of a replay's digest check, sent with the worker's next batch."""
+
+
+class Tagged:
+    """A batch on its way from a worker, with what the main process needs to know about it."""
+
+    __slots__ = ("data", "digest", "items", "replay_ok", "state", "worker")
+
+    def __init__(
+        self, worker: int, items: int, digest: int, state: Any, replay_ok: bool | None, data: Any
+    ) -> None:
+        self.worker, self.items, self.digest, self.state, self.replay_ok, self.data = (
+            worker, items, digest, state, replay_ok, data
+        )
+
+    def pin_memory(self) -> Tagged:
+        """Pin the batch, not the tag (PyTorch's pin-memory thread calls this)."""
+        return Tagged(self.worker, self.items, self.digest, self.state, self.replay_ok, _pinned(self.data))
+
+
+def _pinned(data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory()
+    if isinstance(data, dict):
+        return type(data)({key: _pinned(value) for key, value in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
+        return type(data)(*(_pinned(value) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_pinned(value) for value in data)
+    pin = getattr(data, "pin_memory", None)
+    return pin() if callable(pin) else data
+
+
+class TagCollate:
+    """The ``collate_fn`` a converted stream loader's iterator runs: the user's, plus the tag."""
+
+    def __init__(self, inner: Any, token: str, batched: bool) -> None:
+        self.inner, self.token, self.batched = inner, token, batched
+
+    def __call__(self, items: Any) -> Tagged:
+        worker, dataset, stateful = _ACTIVE[self.token]
+        count = len(items) if self.batched else 1
+        digest = item_digest(items[-1] if self.batched else items)
+        state = {"dataset": dataset.state_dict(), "rng": capture_cpu_streams()} if stateful else None
+        data = self.inner(items)
+        return Tagged(worker, count, digest, state, _REPLAY_CHECKS.pop(self.token, None), data)
+
+
+class IsolatedStreams:
+    """The python, numpy and torch CPU streams of a stream read in the main process, swapped in around its work."""
+
+    def __init__(self) -> None:
+        self._state: tuple[Any, Any, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        outer = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        if self._state is not None:
+            random.setstate(self._state[0])
+            np.random.set_state(self._state[1])
+            torch.set_rng_state(self._state[2])
+        try:
+            yield
+        finally:
+            self._state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+            random.setstate(outer[0])
+            np.random.set_state(outer[1])
+            torch.set_rng_state(outer[2])
+
+
+class StreamPosition:
+    """Per worker, what the training loop consumed of one epoch's stream, taken back over batches fetched ahead."""
+
+    def __init__(self, workers: int, saved: dict[str, Any] | None = None) -> None:
+        self.workers = workers
+        saved = saved or {}
+        self.items = [int(n) for n in saved.get("items", [0] * workers)]
+        self.digests = [int(d) for d in saved.get("digests", [0] * workers)]
+        self.states: list[Any] = list(saved.get("states", [None] * workers))
+        self.last_worker = int(saved.get("last_worker", -1))
+        self.batches = int(saved.get("batches", 0))
+        self._undo: deque[tuple[int, int, int, Any, int]] = deque(maxlen=HISTORY)
+
+    def add(self, tag: Tagged) -> None:
+        w = tag.worker
+        self._undo.append((w, tag.items, self.digests[w], self.states[w], self.last_worker))
+        self.items[w] += tag.items
+        self.digests[w], self.states[w], self.last_worker = tag.digest, tag.state, w
+        self.batches += 1
+
+    def at(self, consumed: int) -> dict[str, Any]:
+        """The position after ``consumed`` batches of the epoch (``consumed`` <= batches fetched)."""
+        ahead = self.batches - consumed
+        if ahead < 0 or ahead > len(self._undo):
+            raise RuntimeError(
+                f"the stream's position is known for batches {self.batches - len(self._undo)} to {self.batches} of"
+                f" the epoch, not after batch {consumed}"
+            )
+        items, digests, states, last = list(self.items), list(self.digests), list(self.states), self.last_worker
+        for w, count, digest, state, previous in list(self._undo)[len(self._undo) - ahead :][::-1]:
+            items[w] -= count
+            digests[w], states[w], last = digest, state, previous
+        return {
+            "workers": self.workers,
+            "items": items,
+            "digests": digests,
+            "states": states,
+            "last_worker": last,
+            "batches": consumed,
+        }
+
+
+class StreamIterator:
+    """The main-process side: strips tags, keeps the position, and restores the uninterrupted run's batch order.
+
+    PyTorch hands out the batches of an iterable dataset round-robin over the workers, from worker 0, skipping
+    exhausted workers. A resumed epoch must continue at worker ``first`` instead: batches are held back (at most
+    one per worker) until the one due arrives, or until a later one shows that the worker due is exhausted.
+    """
+
+    def __init__(
+        self, inner: Iterator[Any], position: StreamPosition, first: int, isolated: IsolatedStreams | None
+    ) -> None:
+        self.inner, self.position, self.isolated = inner, position, isolated
+        self.workers = position.workers
+        self._due = first  # the worker whose batch comes next (resumed epoch), else None: PyTorch's order
+        self._reorder = first != 0
+        self._held: dict[int, deque[tuple[int, Tagged]]] = {w: deque() for w in range(self.workers)}
+        self._received = [0] * self.workers  # batches received per worker in this iterator
+        self._done = [False] * self.workers
+        self._exhausted_inner = False
+        self.replay_failures: list[int] = []
+
+    def __iter__(self) -> StreamIterator:
+        return self
+
+    def _pull(self) -> Tagged | None:
+        if self._exhausted_inner:
+            return None
+        try:
+            if self.isolated is not None:
+                with self.isolated.active():
+                    tag = next(self.inner)
+            else:
+                tag = next(self.inner)
+        except StopIteration:
+            self._exhausted_inner = True
+            return None
+        if not isinstance(tag, Tagged):
+            raise TypeError(f"a converted stream loader produced an untagged batch: {type(tag).__name__}")
+        if tag.replay_ok is False:
+            self.replay_failures.append(tag.worker)
+        return tag
+
+    def __next__(self) -> Any:
+        tag = self._pull() if not self._reorder else self._next_in_order()
+        if tag is None:
+            raise StopIteration
+        self.position.add(tag)
+        return tag.data
+
+    def _next_in_order(self) -> Tagged | None:
+        while True:
+            if all(self._done) and not any(self._held.values()):
+                return None
+            due = self._due
+            if self._done[due] and not self._held[due]:
+                self._due = (due + 1) % self.workers
+                continue
+            if self._held[due]:
+                self._due = (due + 1) % self.workers
+                return self._held[due].popleft()[1]
+            tag = self._pull()
+            if tag is None:  # every worker has delivered everything it will
+                self._done = [True] * self.workers
+                continue
+            w = tag.worker
+            order = (self._received[w], w)  # its place in PyTorch's round-robin
+            self._received[w] += 1
+            self._held[w].append((order[0], tag))
+            if w != due and order > (self._received[due], due):
+                self._done[due] = not self._held[due]  # PyTorch skipped the worker due: it is exhausted

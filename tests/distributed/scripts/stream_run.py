@@ -1,0 +1,204 @@
+"""Phases of the streaming resume tests, each in its own process.
+
+python stream_run.py straight OUT          # the whole run, a checkpoint after every step: OUT/step=K.ckpt
+python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1 (checkpointing every step), then
+                                           # OUT/r1/step=K2.ckpt into OUT/r2, ...: resumes in a row
+
+Environment: SOURCE (plain: a generator with a shuffle buffer and noise drawn in the worker, replayed; plain-state:
+the same with state_dict/load_state_dict; hf: Hugging Face datasets, shuffled, split by node; litdata: a
+StreamingDataset over a directory written by litdata.optimize in the test), DEVICES (1 or 2 gloo ranks, fork),
+WORKERS, PERSIST (persistent workers), EPOCHS.
+Rank 0 records, per step, the sample ids every rank consumed, the synced loss, and a fingerprint of the final
+parameters and optimizer state.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noqa: E402
+
+from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, fingerprint  # noqa: E402
+
+SOURCE = os.environ.get("SOURCE", "plain")
+DEVICES = int(os.environ.get("DEVICES", "2"))
+WORKERS = int(os.environ.get("WORKERS", "2"))
+EPOCHS = int(os.environ.get("EPOCHS", "2"))
+N = 64
+FEATURES = torch.randn(N, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Shuffled(IterableDataset):
+    """A user's stream: shards itself by rank and worker, shuffles through a buffer, adds noise (in the worker)."""
+
+    def __init__(self, buffer: int = 5) -> None:
+        self.buffer = buffer
+
+    def _ids(self):
+        rank, world = _rank_world()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return list(range(N))[rank * workers + worker :: world * workers]
+
+    def _items(self, ids, buffer):
+        for i in ids:
+            buffer.append(i)
+            if len(buffer) >= self.buffer:
+                yield buffer.pop(int(torch.randint(len(buffer), ()).item()))
+        while buffer:
+            yield buffer.pop(int(torch.randint(len(buffer), ()).item()))
+
+    def __iter__(self):
+        for i in self._items(self._ids(), []):
+            yield {"id": i, "x": FEATURES[i] + 0.1 * torch.randn(8)}
+
+
+class StatefulShuffled(Shuffled):
+    """The same stream with the state protocol: the shard position and the buffer's content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next, self._buffer, self._load = 0, [], None
+
+    def state_dict(self):
+        return {"next": self._next, "buffer": list(self._buffer)}
+
+    def load_state_dict(self, state):
+        self._load = state
+
+    def __iter__(self):
+        state, self._load = self._load or {"next": 0, "buffer": []}, None
+        ids = self._ids()
+        self._next, self._buffer = int(state["next"]), list(state["buffer"])
+
+        def rest():
+            while self._next < len(ids):
+                self._next += 1
+                yield ids[self._next - 1]
+
+        for i in self._items(rest(), self._buffer):
+            yield {"id": i, "x": FEATURES[i] + 0.1 * torch.randn(8)}
+
+
+def hf_dataset():
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    rank, world = _rank_world()
+    data = Dataset.from_dict({"id": list(range(N)), "x": FEATURES.tolist()})
+    stream = data.to_iterable_dataset(num_shards=8).shuffle(seed=3, buffer_size=6)
+    return split_dataset_by_node(stream, rank=rank, world_size=world).with_format("torch")
+
+
+def litdata_loader():
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(os.environ["LITDATA_DIR"], shuffle=True, seed=5)
+    return StreamingDataLoader(dataset, batch_size=4, num_workers=WORKERS)
+
+
+class Net(L.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.net = None
+        self.steps: dict[int, dict] = {}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x = batch["x"].float()
+        loss = self.net(x).square().mean()
+        ids = batch["id"].reshape(-1).long()
+        gathered = self.all_gather(ids) if self.trainer.world_size > 1 else ids[None]
+        synced = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        step = int(self.trainer.global_step) + 1
+        self.steps[step] = {"ids": gathered.tolist(), "loss": float(synced).hex()}
+        return loss
+
+    def train_dataloader(self):
+        if SOURCE == "litdata":
+            return litdata_loader()
+        dataset = {"plain": Shuffled, "plain-state": StatefulShuffled, "hf": hf_dataset}[SOURCE]()
+        persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
+        return DataLoader(dataset, batch_size=4, num_workers=WORKERS, persistent_workers=persist)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            state = {
+                "params": fingerprint(self.net),
+                "optimizer": fingerprint(self.trainer.optimizers[0]),
+                "global_step": int(self.trainer.global_step),
+                "steps": self.steps,
+            }
+            (Path(self.out) / "result.json").write_text(json.dumps(state))
+
+
+def fit(out: Path, ckpt: Path | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if DEVICES > 1:
+        strategy = DeterministicDDPStrategy(seed=17, start_method="fork")
+    else:
+        strategy = DeterministicSingleDeviceStrategy(seed=17, device="cpu")
+    every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=DEVICES,
+        max_epochs=EPOCHS,
+        callbacks=[every_step],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(out),
+    )
+    trainer.fit(Net(str(out)), ckpt_path=str(ckpt) if ckpt else None)
+
+
+def _sample(i: int) -> dict:
+    return {"id": i, "x": FEATURES[i].numpy()}
+
+
+def write_litdata(directory: Path) -> None:
+    """N samples in litdata's format, 8 chunks (so that every rank and worker has chunks of its own)."""
+    from litdata import optimize
+
+    optimize(fn=_sample, inputs=list(range(N)), output_dir=str(directory), chunk_size=N // 8, num_workers=1,
+             mode="overwrite")
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    if SOURCE == "litdata" and not Path(os.environ["LITDATA_DIR"]).exists():
+        write_litdata(Path(os.environ["LITDATA_DIR"]))
+    if mode == "straight":
+        fit(out)
+    elif mode == "chain":
+        source = out.parent / "straight"
+        for n, k in enumerate(sys.argv[3:], start=1):
+            fit(out / f"r{n}", source / f"step={k}.ckpt")
+            source = out / f"r{n}"
+    else:
+        raise SystemExit(f"unknown mode {mode}")
