@@ -1,9 +1,8 @@
 """Every private name of Lightning, Fabric, torch and torchmetrics the package relies on, checked in one place.
 
 No public API serves these needs (each entry of :data:`PIECES` says why). Importing the package runs
-:func:`check_compat`: if a release renamed, removed or reshaped one of them, the import fails with one
-:class:`~lightning_determinism.errors.IncompatibleVersionError` naming the installed versions and every missing piece
-— never a silently disabled override or a wrong result later. Attributes that exist only on instances are checked at
+:func:`check_compat`: a renamed, removed or reshaped one fails the import with one
+:class:`~lightning_determinism.errors.IncompatibleVersionError` naming the versions and every missing piece. Attributes that exist only on instances are checked at
 import from the code of the ``__init__`` that assigns them, and again where they are read (the accessors below).
 The tested versions: ``docs/compatibility.md``.
 """
@@ -376,6 +375,12 @@ def set_sampler_iter(iterator: Any, indices: Iterator[Any]) -> None:
     iterator._sampler_iter = indices
 
 
+def hf_shuffles(dataset: Any) -> bool:
+    """Whether a Hugging Face ``IterableDataset`` has a shuffle buffer (its state drops it: datasets #7901); ``True``
+    if ``_shuffling`` is gone (replay, always exact, is used then). ``datasets`` is optional: not checked at import."""
+    return getattr(dataset, "_shuffling", True) is not None
+
+
 def metric_defaults(metric: Any) -> dict[str, Any]:
     """A torchmetrics ``Metric``'s state defaults (what ``reset()`` restores)."""
     return _private(metric, "_defaults")  # type: ignore[no-any-return]
@@ -390,7 +395,7 @@ __all__ = [
     "AX_TYPE", "BatchNorm", "FabricDataLoader", "LIGHTNING_FLOOR", "MultiProcessingLauncher", "PIECES",
     "PLOT_OUT_TYPE", "Piece", "SubprocessScriptLauncher", "accelerator_connector", "base_index_sampler",
     "check_compat", "combined_loader", "combined_mode", "drop_loader_iterator", "fabric_inner_loader",
-    "fabric_iterations", "forget_worker_pids", "launcher_start_method", "launcher_strategy",
+    "fabric_iterations", "forget_worker_pids", "hf_shuffles", "launcher_start_method", "launcher_strategy",
     "loader_iterator", "mark_unbacked", "metric_defaults", "module_trainer", "sampler_iter", "set_fabric_iterations",
     "set_sampler_epoch", "set_sampler_iter", "should_accumulate", "shutdown_workers", "slurm_requeue",
     "suggested_max_num_threads", "swap_launcher", "teardown_trainer", "trainer_results", "update_dataloader",

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
 from lightning_determinism._compat import fabric_inner_loader, fabric_iterations, set_fabric_iterations
@@ -35,7 +35,8 @@ from lightning_determinism.backends import determinism_report
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.rank_states import all_gather, check_ranks, digest, other_seed_message, verify_restored
-from lightning_determinism.resumable import make_fork_safe
+from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
+from lightning_determinism.resumable import PLAN_ATTR, make_fork_safe, make_resumable
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
@@ -111,7 +112,10 @@ class DeterministicFabricStrategyMixin(SeedingProperties):
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:  # type: ignore[misc]
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        if not self.seed_workers or not isinstance(dataloader, DataLoader):
+        if is_stateful_loader(dataloader):  # litdata: its own position, saved by FabricRNGState at the last batch
+            return make_stateful(dataloader, None)
+        stream = isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset)
+        if not self.seed_workers and not stream or not isinstance(dataloader, DataLoader):
             return dataloader
         base = self._ldet_steps.base_seed
         if base is None:
@@ -120,8 +124,10 @@ class DeterministicFabricStrategyMixin(SeedingProperties):
             owner = f"{type(self).__name__}(per_sample=True)" if self.per_sample else type(self).__name__
             self._ldet_seeding = LoaderSeeding(base, self.global_rank, self.per_sample, owner=owner)  # type: ignore[attr-defined]
         epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-        self._ldet_seeding.prepare(dataloader, "train", epoch)
-        dataloader = make_fork_safe(dataloader)  # type: ignore[assignment]
+        if self.seed_workers:
+            self._ldet_seeding.prepare(dataloader, "train", epoch)
+        # A stream resumes mid-epoch (FabricRNGState keeps its position); map-style loaders between epochs.
+        dataloader = make_resumable(dataloader, None) if stream else make_fork_safe(dataloader)  # type: ignore[assignment]
         dataloader._ldet_epoch = epoch  # type: ignore[attr-defined]  # set at each iter() (see resumable)
         dataloader._ldet_iterations = 0  # type: ignore[attr-defined]
         return dataloader
@@ -191,6 +197,28 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
     return found
 
 
+def _position(loader: Any) -> dict[str, Any] | None:
+    """Where a stream or a stateful loader stands inside its epoch (``None``: between epochs, or map-style)."""
+    inner = _inner(loader)
+    if is_stateful_loader(inner) and hasattr(inner, "_ldet_position_at"):
+        return inner._ldet_position_at(inner._ldet_batches, finished=inner._ldet_epoch_done)  # type: ignore[no-any-return]
+    position = getattr(inner, "_ldet_position", None)
+    if position is None or getattr(inner, "_ldet_epoch_done", True):
+        return None
+    return {"epoch": _iterations(loader) - 1, "stream": position.at(position.batches)}
+
+
+def _resume_at(loader: Any, position: dict[str, Any] | None) -> None:
+    """The loader's next iteration continues at ``position`` (see :func:`_position`)."""
+    if position is None:
+        return
+    inner = _inner(loader)
+    if "stream" in position:  # the next iter() serves the interrupted epoch again
+        set_fabric_iterations(loader, int(position["epoch"]))
+        inner._ldet_iterations = int(position["epoch"])
+    setattr(inner, PLAN_ATTR, position)
+
+
 def _iterations(loader: Any) -> int:
     """How many times the loader was iterated (its epoch, as Fabric counts it)."""
     return int(getattr(_inner(loader), "_ldet_iterations", fabric_iterations(loader)))
@@ -207,8 +235,10 @@ class FabricRNGState:
 
     Restores, per rank, the python, numpy, torch (CPU and CUDA) and tracker streams, each loader's generators and
     the number of times it was iterated (Fabric's ``DistributedSampler`` epoch and the per-sample seeds follow it),
-    then verifies that every rank holds its own saved state. Save between epochs (a loader's position inside an
-    epoch is not kept). A checkpoint from another world size: a warning, every rank reseeds from
+    then verifies that every rank holds its own saved state. Map-style loaders: save between epochs (their position
+    inside an epoch is not kept). Streams (an ``IterableDataset``, litdata's ``StreamingDataLoader``) keep their
+    position: saved mid-epoch, the next ``iter(loader)`` after loading continues the interrupted epoch at the exact
+    sample (docs/streaming.md). A checkpoint from another world size: a warning, every rank reseeds from
     ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived — reproducible, not the
     uninterrupted run; never one rank's state copied to all.
 
@@ -225,7 +255,11 @@ class FabricRNGState:
         """This rank's state, gathered from every rank (collective: call it on every rank)."""
         rng = capture_rng_state()
         loaders = [
-            {"iterations": _iterations(loader), **{key: gen.get_state() for key, gen in _generators(loader).items()}}
+            {
+                "iterations": _iterations(loader),
+                "position": _position(loader),
+                **{key: gen.get_state() for key, gen in _generators(loader).items()},
+            }
             for loader in self.loaders
         ]
         local = {"rng": rng, "digest": digest(rng), "loaders": loaders}
@@ -269,6 +303,8 @@ class FabricRNGState:
                 for key, gen in _generators(loader).items():
                     gen.manual_seed(derive_seed(base, rank, "resume", sum(iterations), index, key))
             return
+        for loader, saved in zip(self.loaders, entry["loaders"], strict=True):
+            _resume_at(loader, saved.get("position"))
         message = other_seed_message(state.get("base_seed", -1), current_seeds()["base_seed"])
         if message is not None:
             rank_zero_warn(message, category=DeterminismWarning)

@@ -42,7 +42,7 @@ from lightning_determinism._compat import (
 from lightning_determinism._index_skip import SkipOnce, prime
 from lightning_determinism._worker_start import create_iterator
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
-from lightning_determinism.data.stream_loader import create_stream_iterator, stream_position
+from lightning_determinism.data.stream_loader import create_stream_iterator, stream_entry
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 
@@ -199,13 +199,26 @@ class ResumableLoaderMixin:
 
 
     def _ldet_create_stream(self, trainer: Any, resume: dict[str, Any] | None, create: Any) -> Iterator[Any]:
-        """An iterable dataset's iterator (see :mod:`~lightning_determinism.data.streams`)."""
+        """An iterable dataset's iterator (see :mod:`~lightning_determinism.data.streams`).
+
+        Resumed from a stream epoch's last batch, Lightning starts the next epoch without resetting its batch counter
+        or counting the epoch as started (it compares the counter with an infinite length): the stream keeps its
+        own epoch and counts its batches from the loop's counter at its creation.
+        """
+        iterator = self._ldet_new_stream(trainer, resume, create)
+        self._ldet_counter_base = None  # set at the first training batch from this iterator (see mark_stream_start)
+        return iterator
+
+    def _ldet_new_stream(self, trainer: Any, resume: dict[str, Any] | None, create: Any) -> Iterator[Any]:
         if resume is None:
             epoch = _loader_epoch(self, trainer)
             self._ldet_set_epoch(epoch)
             return create_stream_iterator(self, trainer, epoch, None, create)  # type: ignore[no-any-return]
         epoch = int(resume["epoch"])
         self._ldet_set_epoch(epoch)
+        reused = bool(getattr(self, "persistent_workers", False)) and epoch > 0  # its workers, created at epoch 0
+        if resume.get("stream") is None and not reused:  # an epoch's start: the uninterrupted run created one here too
+            return create_stream_iterator(self, trainer, epoch, None, create)  # type: ignore[no-any-return]
         now = self._ldet_snapshot(True)  # what creating the iterator draws, the uninterrupted run drew at epoch start
         try:
             return create_stream_iterator(self, trainer, epoch, resume.get("stream"), create)  # type: ignore[no-any-return]
@@ -283,8 +296,9 @@ def make_fork_safe(dataloader: object, trainer: Any = None) -> object:
 def make_resumable(dataloader: object, trainer: Any) -> object:
     """Make a training ``DataLoader`` resumable mid-epoch (in place: its class gains the mixin).
 
-    Anything that is not a map-style ``DataLoader`` is returned unchanged: it resumes at the epoch's first batch, with
-    a warning when a mid-epoch position is pending for it.
+    A loader with a state of its own (litdata's ``StreamingDataLoader``) keeps it (:mod:`.data.stateful`); one over an
+    ``IterableDataset`` resumes at the exact sample (:mod:`.data.streams`). Anything that is not a ``DataLoader`` is
+    returned unchanged: it restarts an interrupted epoch at its first batch, with a warning at resume.
 
     Raises:
         RuntimeError: for torchdata's ``StatefulDataLoader``, whose own resume breaks under Lightning's DDP.
@@ -317,7 +331,7 @@ def next_train_epoch(trainer: Any) -> int:
         >>> next_train_epoch(None)
         0
     """
-    plan = getattr(trainer, PLAN_ATTR, None)
+    plan = [entry for entry in getattr(trainer, PLAN_ATTR, None) or [] if entry is not None]
     if plan:
         return int(plan[0]["epoch"])
     return _current_epoch(trainer)
@@ -358,6 +372,16 @@ def consumed_batches(trainer: Any) -> int:
     return int(batches.processed if done_batch else batches.completed)
 
 
+def mark_stream_start(trainer: Any) -> None:
+    """At a training batch's start: the loop's batch count from which each new stream iterator counts its own."""
+    combined = combined_loader(trainer)
+    for loader in combined.flattened if combined is not None else []:
+        if getattr(loader, "_ldet_stream", False) and getattr(loader, "_ldet_position", None) is not None:
+            if loader._ldet_counter_base is None:
+                ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+                loader._ldet_counter_base = ready - 1 - loader._ldet_position.saved_batches
+
+
 def loader_positions(trainer: Any) -> list[dict[str, Any]]:
     """Per training loader: the epoch to resume in, batches to skip, and the epoch's saved RNG states.
 
@@ -380,11 +404,14 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
         if is_stateful_loader(loader) and hasattr(loader, "_ldet_position_at"):
             positions.append({"epoch": epoch, **loader._ldet_position_at(consumed, finished)})
             continue
-        if finished or not (is_converted(loader) and loader._ldet_resumable):
-            positions.append({"epoch": epoch, "skip": 0, "epoch_start": None})
+        if is_converted(loader) and getattr(loader, "_ldet_stream", False):
+            positions.append(stream_entry(loader, consumed, epoch))  # by the stream's own count (see there)
             continue
-        if getattr(loader, "_ldet_stream", False):
-            positions.append({"epoch": epoch, "skip": 0, "epoch_start": None, "stream": stream_position(loader, consumed)})
+        if finished or not (is_converted(loader) and loader._ldet_resumable):
+            entry: dict[str, Any] = {"epoch": epoch, "skip": 0, "epoch_start": None}
+            if not finished and consumed:  # neither restorable nor replayable: said at resume (RNGStateCheckpoint)
+                entry["restarts"] = type(loader).__name__
+            positions.append(entry)
             continue
         length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
         cycles = combined_mode(combined) == "max_size_cycle" and length < total
@@ -399,6 +426,7 @@ __all__ = [
     "consumed_batches",
     "is_converted",
     "loader_positions",
+    "mark_stream_start",
     "make_fork_safe",
     "make_resumable",
     "next_train_epoch",

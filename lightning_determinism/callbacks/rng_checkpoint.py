@@ -30,7 +30,7 @@ from lightning_determinism.isolation import training_rng_state
 from lightning_determinism.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
 from lightning_determinism.rank_states import all_gather as _all_gather
 from lightning_determinism.rank_states import digest as _digest
-from lightning_determinism.resumable import consumed_batches, loader_positions, set_plan
+from lightning_determinism.resumable import consumed_batches, loader_positions, mark_stream_start, set_plan
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
 
@@ -69,6 +69,12 @@ class RNGStateCheckpoint(Callback):
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
         self._resuming = False
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        mark_stream_start(trainer)
 
     @override
     def on_save_checkpoint(
@@ -118,8 +124,8 @@ class RNGStateCheckpoint(Callback):
         if not same_world and elastic.compatible(saved.get("invariant"), invariant):
             self._elastic_resume(trainer, saved, checkpoint, invariant)
             return
-        data = ranks[trainer.global_rank].get("data") if same_world else None
-        if data is None and _mid_epoch(checkpoint):
+        data = ranks[trainer.global_rank].get("data") if same_world else _own_positions(ranks[0].get("data"))
+        if (data is None or None in data) and _mid_epoch(checkpoint):
             why = (
                 f"was written by {world_size} ranks and is resumed on {trainer.world_size}"
                 if not same_world
@@ -130,6 +136,7 @@ class RNGStateCheckpoint(Callback):
                 " its first batch, as Lightning does, so the resumed run is not the uninterrupted one.",
                 category=DeterminismWarning,
             )
+        _warn_about_streams(data, same_world, world_size, trainer.world_size)
         set_plan(trainer, data)  # taken by the training loaders at their first batch
         worker_cb = _worker_callback(trainer)
         if worker_cb is None:
@@ -207,6 +214,40 @@ class RNGStateCheckpoint(Callback):
 
     def _verify(self, saved: dict[str, Any], rank: int) -> None:
         verify_restored(saved, rank, _digest(capture_rng_state()))
+
+
+def _own_positions(saved: list[dict[str, Any]] | None) -> list[dict[str, Any] | None] | None:
+    """On another world size, the positions of loaders that restripe themselves (litdata); ``None`` for the others.
+
+    litdata's ``load_state_dict`` recognises a changed topology and continues the epoch's global order on the new
+    grid ("elastic restripe"); every other loader restarts an interrupted epoch (with the warning).
+    """
+    if not saved:
+        return None
+    return [entry if "loader_state" in entry or "loader_epoch" in entry else None for entry in saved]
+
+
+def _warn_about_streams(data: list[Any] | None, same_world: bool, old: int, new: int) -> None:
+    """Say what a resume does to training loaders that cannot continue at their exact sample."""
+    for entry in data or []:
+        if entry is None:
+            continue
+        if entry.get("restarts"):
+            rank_zero_warn(
+                f"The training loader `{entry['restarts']}` is not a torch DataLoader, so its position in the"
+                " interrupted epoch can be neither restored nor replayed: it restarts at the epoch's first batch and"
+                " the samples it delivered before the checkpoint are trained on again. Wrap the data in a"
+                " DataLoader (docs/streaming.md).",
+                category=DeterminismWarning,
+            )
+        elif not same_world and "loader_state" in entry:
+            rank_zero_warn(
+                f"The stream's position was saved on {old} ranks and is resumed on {new}: the loader restripes its"
+                " own state (litdata's elastic resume). Measured with litdata 0.2.76: exact from 2 ranks to 1; to"
+                " more ranks it rounds the position down to whole global batches (up to ranks x batch_size - 1"
+                " samples again) and Lightning still counts the interrupted epoch's batches on the old grid.",
+                category=DeterminismWarning,
+            )
 
 
 def _mid_epoch(checkpoint: dict[str, Any]) -> bool:

@@ -65,6 +65,7 @@ class _StatefulIterator:
                 self.inner = iter(base.__iter__(loader))
                 loader._ldet_history.clear()
                 loader._ldet_batches = int(resume["batches"])
+                loader._ldet_epoch_done = False
                 try:
                     batch = next(self.inner)
                 finally:
@@ -77,8 +78,14 @@ class _StatefulIterator:
             loader._ldet_epoch_before = int(getattr(loader, "current_epoch", 0))
             loader._ldet_history.clear()
             loader._ldet_batches = 0
+            loader._ldet_epoch_done = False
             self.inner = iter(base.__iter__(loader))
-        return self._delivered(next(self.inner))
+        try:
+            batch = next(self.inner)
+        except StopIteration:
+            loader._ldet_epoch_done = True
+            raise
+        return self._delivered(batch)
 
     def _delivered(self, batch: Any) -> Any:
         loader = self.loader
@@ -100,8 +107,8 @@ class StatefulLoaderMixin:
         return _StatefulIterator(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Ignored while converted: the position comes from ``RNGStateCheckpoint``'s entry (see the module notes)."""
-        if self._ldet_loading:
+        """Under the Trainer, ignored: the position comes from ``RNGStateCheckpoint``'s entry (see the module notes)."""
+        if self._ldet_loading or self._ldet_trainer() is None:  # Fabric: no fetcher runs ahead, the user's call counts
             type(self).__bases__[0].load_state_dict(self, state_dict)
 
     def _ldet_load(self, state: dict[str, Any]) -> None:
@@ -149,6 +156,7 @@ def make_stateful(loader: DataLoader, trainer: Any) -> DataLoader:
         loader._ldet_batches = 0  # type: ignore[attr-defined]
         loader._ldet_epoch_before = int(getattr(loader, "current_epoch", 0))  # type: ignore[attr-defined]
         loader._ldet_loading = False  # type: ignore[attr-defined]
+        loader._ldet_epoch_done = False  # type: ignore[attr-defined]
     loader._ldet_trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
     return loader
 

@@ -101,14 +101,19 @@ class _Warning:
     """Passes the batches on; warns once if a worker's replay did not reproduce what the saved run delivered."""
 
     def __init__(self, inner: StreamIterator, loader: Any) -> None:
-        self.inner, self.name = inner, type(loader.dataset).__name__
+        self.inner, self.name, self.loader = inner, type(loader.dataset).__name__, loader
         self._warned = False
+        loader._ldet_epoch_done = False
 
     def __iter__(self) -> _Warning:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self.inner)
+        try:
+            batch = next(self.inner)
+        except StopIteration:
+            self.loader._ldet_epoch_done = True
+            raise
         if self.inner.replay_failures and not self._warned:
             self._warned = True
             warnings.warn(
@@ -122,12 +127,21 @@ class _Warning:
         return batch
 
 
-def stream_position(loader: Any, consumed: int) -> dict[str, Any] | None:
-    """The saved form of the loader's position after ``consumed`` batches of the current epoch, if it began."""
+def stream_entry(loader: Any, consumed: int, loop_epoch: int) -> dict[str, Any]:
+    """The saved position of a converted stream loader, ``consumed`` being the training loop's batch counter.
+
+    By the stream's own epoch and count, not the loop's (see ``ResumableLoaderMixin._ldet_create_stream``): an
+    epoch whose end was fetched and whose batches were all consumed resumes at the next epoch's start.
+    """
     position: StreamPosition | None = getattr(loader, "_ldet_position", None)
     if position is None:
-        return None
-    return position.at(consumed)
+        return {"epoch": loop_epoch, "skip": 0, "epoch_start": None}
+    epoch = int(loader._ldet_stream_plan.epoch)
+    base = loader._ldet_counter_base
+    own = position.saved_batches if base is None else consumed - int(base)  # None: no batch of it trained yet
+    if getattr(loader, "_ldet_epoch_done", False) and own == position.batches:
+        return {"epoch": epoch + 1, "skip": 0, "epoch_start": None}
+    return {"epoch": epoch, "skip": 0, "epoch_start": None, "stream": position.at(own)}
 
 
 def describe(dataset: object) -> str:
@@ -140,4 +154,4 @@ def describe(dataset: object) -> str:
     return "restored by its state_dict()" if has_state_protocol(dataset) else "replayed from the seeds"
 
 
-__all__ = ["create_stream_iterator", "describe", "stream_plan", "stream_position"]
+__all__ = ["create_stream_iterator", "describe", "stream_entry", "stream_plan"]

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from lightning_determinism._compat import hf_shuffles
 from lightning_determinism._index_skip import consume
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 from lightning_determinism.seeding import derive_seed
@@ -56,9 +57,8 @@ def has_state_protocol(dataset: object) -> bool:
     """
     if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
         return False
-    module = type(dataset).__module__
-    if module.startswith("datasets."):  # Hugging Face: its state drops the shuffle buffer (datasets #7901)
-        return getattr(dataset, "_shuffling", True) is None  # noqa: B009  (absent in another release: replay)
+    if type(dataset).__module__.startswith("datasets."):  # Hugging Face: its state drops the shuffle buffer (#7901)
+        return not hf_shuffles(dataset)
     return True
 
 
@@ -180,7 +180,7 @@ def _pinned(data: Any) -> Any:
         return data.pin_memory()
     if isinstance(data, dict):
         return type(data)({key: _pinned(value) for key, value in data.items()})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
+    if isinstance(data, tuple) and type(data) is not tuple:  # a namedtuple
         return type(data)(*(_pinned(value) for value in data))
     if isinstance(data, (list, tuple)):
         return type(data)(_pinned(value) for value in data)
@@ -235,7 +235,7 @@ class StreamPosition:
         self.digests = [int(d) for d in saved.get("digests", [0] * workers)]
         self.states: list[Any] = list(saved.get("states", [None] * workers))
         self.last_worker = int(saved.get("last_worker", -1))
-        self.batches = int(saved.get("batches", 0))
+        self.batches = self.saved_batches = int(saved.get("batches", 0))
         self._undo: deque[tuple[int, int, int, Any, int]] = deque(maxlen=HISTORY)
 
     def add(self, tag: Tagged) -> None:

@@ -1,6 +1,8 @@
 """Phases of the streaming resume tests, each in its own process.
 
+python stream_run.py configs OUT JSON      # for each config of the JSON list: straight, chain and elastic runs
 python stream_run.py straight OUT          # the whole run, a checkpoint after every step: OUT/step=K.ckpt
+python stream_run.py elastic OUT K         # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
 python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1 (checkpointing every step), then
                                            # OUT/r1/step=K2.ckpt into OUT/r2, ...: resumes in a row
 
@@ -34,6 +36,7 @@ SOURCE = os.environ.get("SOURCE", "plain")
 DEVICES = int(os.environ.get("DEVICES", "2"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
 EPOCHS = int(os.environ.get("EPOCHS", "2"))
+PERSIST = bool(os.environ.get("PERSIST"))
 N = 64
 FEATURES = torch.randn(N, 8, generator=torch.Generator().manual_seed(0))
 
@@ -109,7 +112,7 @@ def hf_dataset():
 def litdata_loader():
     from litdata import StreamingDataLoader, StreamingDataset
 
-    dataset = StreamingDataset(os.environ["LITDATA_DIR"], shuffle=True, seed=5)
+    dataset = StreamingDataset(os.environ["LITDATA_DIR"], shuffle=True, seed=5, drop_last=True)
     return StreamingDataLoader(dataset, batch_size=4, num_workers=WORKERS)
 
 
@@ -138,7 +141,7 @@ class Net(L.LightningModule):
         if SOURCE == "litdata":
             return litdata_loader()
         dataset = {"plain": Shuffled, "plain-state": StatefulShuffled, "hf": hf_dataset}[SOURCE]()
-        persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
+        persist = PERSIST and WORKERS > 0
         return DataLoader(dataset, batch_size=4, num_workers=WORKERS, persistent_workers=persist)
 
     def configure_optimizers(self):
@@ -189,12 +192,40 @@ def write_litdata(directory: Path) -> None:
              mode="overwrite")
 
 
-if __name__ == "__main__":
-    mode, out = sys.argv[1], Path(sys.argv[2])
+def configure(config: dict) -> None:
+    """Set this process's configuration (the module's globals, as the environment would)."""
+    global SOURCE, DEVICES, WORKERS, PERSIST
+    SOURCE, DEVICES = config.get("source", "plain"), int(config.get("devices", 2))
+    WORKERS, PERSIST = int(config.get("workers", 2)), bool(config.get("persist", False))
     if SOURCE == "litdata" and not Path(os.environ["LITDATA_DIR"]).exists():
         write_litdata(Path(os.environ["LITDATA_DIR"]))
+
+
+def run_configs(out: Path, configs: list[dict]) -> None:
+    """Each config: the straight run, then its chain of resumes, then its elastic resumes (one process for all)."""
+    for config in configs:
+        configure(config)
+        root = out / config["name"]
+        fit(root / "straight")
+        source = root / "straight"
+        for n, k in enumerate(config.get("chain", []), start=1):
+            fit(root / "chain" / f"r{n}", source / f"step={k}.ckpt")
+            source = root / "chain" / f"r{n}"
+        for devices, k in config.get("elastic", []):
+            configure({**config, "devices": devices})
+            fit(root / f"elastic{devices}", root / "straight" / f"step={k}.ckpt")
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    if mode == "configs":  # python stream_run.py configs OUT '[{"name": ..., "source": ..., "chain": [3, 5]}]'
+        run_configs(out, json.loads(sys.argv[3]))
+        raise SystemExit(0)
+    configure({"source": SOURCE, "devices": DEVICES, "workers": WORKERS, "persist": PERSIST})
     if mode == "straight":
         fit(out)
+    elif mode == "elastic":  # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
+        fit(out, out.parent / "straight" / f"step={sys.argv[3]}.ckpt")
     elif mode == "chain":
         source = out.parent / "straight"
         for n, k in enumerate(sys.argv[3:], start=1):

@@ -1,0 +1,147 @@
+"""Streamed training data resumes at the exact sample: a user's generator (replayed, or restored by its state
+protocol), Hugging Face streaming datasets and litdata, under the Trainer (2 gloo ranks, 2 workers; 1 rank in
+process) and under a Fabric loop; resumes in a row; litdata on another world size.
+
+Every phase runs in one child process per group (stream_run.py, fabric_stream.py): the uninterrupted run writes a
+checkpoint after every step and each resumed run must consume exactly the sample ids the uninterrupted run consumed
+after that step, log the same losses bit for bit and end with the same parameters and optimizer state."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY
+from tests.helpers import CHILD_TIMEOUT_S, child_env
+
+pytestmark = pytest.mark.distributed
+
+SCRIPTS = Path(__file__).parent / "scripts"
+N = 64  # samples per epoch (stream_run.N), batches of 4
+
+# Checkpoints after steps 3 and 5 sit in the middle of an epoch, at a worker other than the first (3 batches: the
+# round-robin stands at worker 1) and at the first; 8 ends an epoch on 2 ranks, 16 on 1 rank.
+BASE = [
+    {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 5, 11]},
+    {"name": "state-persistent", "source": "plain-state", "workers": 2, "persist": True, "chain": [3, 8]},
+    {"name": "plain-1-rank-in-process", "source": "plain", "devices": 1, "workers": 0, "chain": [3, 16, 21]},
+]
+OPTIONAL = {
+    "datasets": [{"name": "hf-workers", "source": "hf", "workers": 2, "chain": [3, 5]}],
+    "litdata": [{"name": "litdata-workers", "source": "litdata", "workers": 2, "chain": [3, 11], "elastic": [[1, 3]]}],
+}
+CONFIGS = BASE + [config for configs in OPTIONAL.values() for config in configs]
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def run(script: str, *args: str, env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        env=child_env(**env),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streams")
+    configs = BASE + [config for module, extra in OPTIONAL.items() if installed(module) for config in extra]
+    logs = run("stream_run.py", "configs", str(root), json.dumps(configs), env={"LITDATA_DIR": str(root / "litdata")})
+    return root, logs
+
+
+def result(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())
+
+
+def steps_per_epoch(config: dict) -> int:
+    return N // (4 * int(config.get("devices", 2)))
+
+
+def skip_unless_installed(config: dict) -> None:
+    for module, configs in OPTIONAL.items():
+        if config in configs and not installed(module):
+            pytest.skip(f"needs {module} (pip install -e '.[streaming]')")
+
+
+def assert_continues(straight: dict, resumed: dict, k: int) -> None:
+    assert resumed["global_step"] == straight["global_step"]
+    later = {step: record for step, record in straight["steps"].items() if int(step) > k}
+    assert resumed["steps"] == later  # the same sample ids on every rank, the same synced loss, step by step
+    assert resumed["params"] == straight["params"] and resumed["optimizer"] == straight["optimizer"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c["name"] for c in CONFIGS])
+def test_resumed_streams_consume_the_remaining_samples_and_end_bitwise_equal(runs, config):
+    skip_unless_installed(config)
+    root = runs[0] / config["name"]
+    straight = result(root / "straight")
+    assert straight["global_step"] == 2 * steps_per_epoch(config)
+    for n, k in enumerate(config["chain"], start=1):  # each resumes the previous resumed run: resumes in a row
+        assert_continues(straight, result(root / "chain" / f"r{n}"), k)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c["name"] for c in CONFIGS])
+def test_every_epoch_reads_each_sample_once_and_epochs_differ(runs, config):
+    skip_unless_installed(config)
+    straight = result(runs[0] / config["name"] / "straight")
+    per_epoch = steps_per_epoch(config)
+    orders = []
+    for epoch in range(2):
+        ids = [i for step in range(1, per_epoch + 1) for rank in straight["steps"][str(epoch * per_epoch + step)]["ids"]
+               for i in rank]
+        assert sorted(ids) == list(range(N))
+        orders.append(ids)
+    assert orders[0] != orders[1]
+
+
+def test_the_state_protocol_travels_in_the_checkpoint_and_replay_needs_none(runs):
+    def streams(name: str) -> list[dict]:
+        saved = torch.load(runs[0] / name / "straight" / "step=3.ckpt", weights_only=True)  # plain values only
+        return [rank["data"][0]["stream"] for rank in saved[CHECKPOINT_KEY]["ranks"]]
+
+    for stream in streams("state-persistent"):
+        assert stream["workers"] == 2 and sum(stream["items"]) == 3 * 4 and stream["last_worker"] == 0
+        assert all(state is not None and set(state) == {"dataset", "rng"} for state in stream["states"])
+    for stream in streams("plain-workers"):
+        assert sum(stream["items"]) == 12 and stream["states"] == [None, None]
+
+
+@pytest.mark.skipif(not installed("litdata"), reason="needs litdata (pip install -e '.[streaming]')")
+def test_litdata_resumed_on_one_rank_neither_repeats_nor_skips_a_sample_and_says_so(runs):
+    root, logs = runs
+    straight, elastic = result(root / "litdata-workers" / "straight"), result(root / "litdata-workers" / "elastic1")
+    before = [i for step in range(1, 4) for rank in straight["steps"][str(step)]["ids"] for i in rank]
+    after = [i for step in sorted(elastic["steps"], key=int) for rank in elastic["steps"][step]["ids"] for i in rank]
+    assert sorted(before + after[: N - len(before)]) == list(range(N))  # the interrupted epoch
+    assert sorted(after[N - len(before) :]) == list(range(N))  # the next one, on the new grid
+    assert "is resumed on 1: the loader restripes its own state" in " ".join(logs.split())
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fabric-streams")
+    sources = ["plain"] + (["litdata"] if installed("litdata") else [])
+    env = {"WORKERS": "0", "LITDATA_DIR": str(root / "litdata")}  # workers: the Trainer's tests; here the loop
+    run("fabric_stream.py", str(root), "3", ",".join(sources), env=env)
+    return root
+
+
+@pytest.mark.parametrize("source", ["plain", "litdata"])
+def test_a_fabric_loop_saved_mid_epoch_resumes_at_the_next_sample(fabric_runs, source):
+    if source == "litdata" and not installed("litdata"):
+        pytest.skip("needs litdata (pip install -e '.[streaming]')")
+    straight = result(fabric_runs / source / "straight")
+    assert straight["global_step"] == 16
+    assert_continues(straight, result(fabric_runs / source / "chain" / "r1"), 3)
