@@ -2,8 +2,9 @@
 
 No public API serves these needs (each entry of :data:`PIECES` says why). Importing the package runs
 :func:`check_compat`: a renamed, removed or reshaped one fails the import with one
-:class:`~lightning_determinism.errors.IncompatibleVersionError` naming the versions and every missing piece. Attributes that exist only on instances are checked at
-import from the code of the ``__init__`` that assigns them, and again where they are read (the accessors below).
+:class:`~lightning_determinism.errors.IncompatibleVersionError` naming the versions and every missing piece.
+Attributes that exist only on instances are checked at import from the code of the ``__init__`` that assigns them,
+and again where they are read (the accessors below).
 The tested versions: ``docs/compatibility.md``.
 """
 
@@ -376,9 +377,16 @@ def set_sampler_iter(iterator: Any, indices: Iterator[Any]) -> None:
 
 
 def hf_shuffles(dataset: Any) -> bool:
-    """Whether a Hugging Face ``IterableDataset`` has a shuffle buffer (its state drops it: datasets #7901); ``True``
-    if ``_shuffling`` is gone (replay, always exact, is used then). ``datasets`` is optional: not checked at import."""
-    return getattr(dataset, "_shuffling", True) is not None
+    """Whether a Hugging Face ``IterableDataset`` has a shuffle buffer, whose content its state drops (#7901).
+
+    Found in its chain of examples iterables; ``True`` when unsure (replay, always exact). Not checked at import.
+    """
+    node = getattr(dataset, "_ex_iterable", None)
+    while node is not None and not hasattr(node, "ex_iterables"):  # several sources: unsure
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        node = getattr(node, "ex_iterable", None)
+    return node is not None or not hasattr(dataset, "_ex_iterable")
 
 
 def metric_defaults(metric: Any) -> dict[str, Any]:

@@ -32,10 +32,10 @@ from typing_extensions import override
 
 from lightning_determinism._compat import fabric_inner_loader, fabric_iterations, set_fabric_iterations
 from lightning_determinism.backends import determinism_report
+from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.rank_states import all_gather, check_ranks, digest, other_seed_message, verify_restored
-from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.resumable import PLAN_ATTR, make_fork_safe, make_resumable
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all

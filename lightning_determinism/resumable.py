@@ -197,7 +197,6 @@ class ResumableLoaderMixin:
             self._ldet_skip_sampler = None
             self._ldet_restore(now)
 
-
     def _ldet_create_stream(self, trainer: Any, resume: dict[str, Any] | None, create: Any) -> Iterator[Any]:
         """An iterable dataset's iterator (see :mod:`~lightning_determinism.data.streams`).
 
@@ -343,6 +342,7 @@ def set_plan(trainer: Any, states: list[dict[str, Any]] | None) -> None:
 
 
 def take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
+    """The saved position this loader resumes at, taken once (the loader's own, Fabric; else the trainer's plan)."""
     pending = getattr(loader, PLAN_ATTR, None)  # Fabric: FabricRNGState gives each loader its own
     if pending is not None:
         setattr(loader, PLAN_ATTR, None)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding import derive_seed
@@ -186,6 +186,14 @@ class LoaderSeeding:
 
     def _install_per_sample(self, dataloader: DataLoader, epoch: torch.Tensor) -> None:
         dataset = dataloader.dataset
+        if isinstance(dataset, IterableDataset):
+            rank_zero_warn(
+                f"{self.owner}(per_sample=True) has no meaning for `{type(dataset).__name__}`, a stream: its samples"
+                " have no index to seed from. They draw from their (rank, worker, epoch) stream instead, which the"
+                " deterministic strategies reseed every epoch and replay on resume (docs/streaming.md).",
+                category=DeterminismWarning,
+            )
+            return
         if dataloader.batch_size is None and dataloader.batch_sampler is None or not hasattr(dataset, "__getitem__"):
             rank_zero_warn(
                 f"{self.owner}(per_sample=True) needs a map-style dataset and automatic batching; "

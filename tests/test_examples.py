@@ -128,3 +128,14 @@ def test_compare_single_vs_ddp_example_passes():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "2-rank DDP run matches the 1-process baseline" in result.stdout
     assert "equal within rtol=0.0001, atol=1e-06" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("litdata") is None, reason="needs litdata (pip install -e '.[streaming]')"
+)
+def test_streaming_example_resumes_a_litdata_epoch_bitwise():
+    out = _run("--resume", "--sentences", "400", "--devices", "1", example=EXAMPLE.parent / "streaming_lm.py")
+    fingerprints = re.findall(r"\b[0-9a-f]{64}\b", out)
+    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1], out
+    assert "stopped after step 9 of 16, resumed" in out and "bitwise identical" in out

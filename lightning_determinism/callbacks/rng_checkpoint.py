@@ -137,7 +137,7 @@ class RNGStateCheckpoint(Callback):
                 category=DeterminismWarning,
             )
         _warn_about_streams(data, same_world, world_size, trainer.world_size)
-        set_plan(trainer, data)  # taken by the training loaders at their first batch
+        set_plan(trainer, data)  # type: ignore[arg-type]  # taken by the training loaders at their first batch
         worker_cb = _worker_callback(trainer)
         if worker_cb is None:
             return

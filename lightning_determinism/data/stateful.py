@@ -46,6 +46,11 @@ def is_stateful_loader(loader: object) -> bool:
     return False
 
 
+def _base(loader: Any) -> Any:
+    """The loader's own class (the converted class's only base)."""
+    return type(loader).__bases__[0]
+
+
 class _StatefulIterator:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
@@ -56,7 +61,7 @@ class _StatefulIterator:
 
     def __next__(self) -> Any:
         loader = self.loader
-        base = type(loader).__bases__[0]
+        base: Any = type(loader).__bases__[0]
         if self.inner is None:
             resume = loader._ldet_take_resume()
             if resume is not None and resume.get("loader_state") is not None:
@@ -90,7 +95,7 @@ class _StatefulIterator:
     def _delivered(self, batch: Any) -> Any:
         loader = self.loader
         loader._ldet_batches += 1
-        loader._ldet_history.append((loader._ldet_batches, type(loader).__bases__[0].state_dict(loader)))
+        loader._ldet_history.append((loader._ldet_batches, _base(loader).state_dict(loader)))
         return batch
 
 
@@ -109,7 +114,7 @@ class StatefulLoaderMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Under the Trainer, ignored: the position comes from ``RNGStateCheckpoint``'s entry (see the module notes)."""
         if self._ldet_loading or self._ldet_trainer() is None:  # Fabric: no fetcher runs ahead, the user's call counts
-            type(self).__bases__[0].load_state_dict(self, state_dict)
+            _base(self).load_state_dict(self, state_dict)
 
     def _ldet_load(self, state: dict[str, Any]) -> None:
         self._ldet_loading = True
@@ -148,8 +153,9 @@ def make_stateful(loader: DataLoader, trainer: Any) -> DataLoader:
             skip = {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__annotations__"}
             methods = {k: v for k, v in vars(StatefulLoaderMixin).items() if k not in skip}
             _CLASSES[cls] = type(
-                f"Stateful{cls.__name__}", (cls,), {**methods, "__module__": __name__, "_ldet_stateful": True,
-                                                    "_ldet_converted": True}
+                f"Stateful{cls.__name__}",
+                (cls,),
+                {**methods, "__module__": __name__, "_ldet_stateful": True, "_ldet_converted": True},
             )
         loader.__class__ = _CLASSES[cls]
         loader._ldet_history = deque(maxlen=HISTORY)  # type: ignore[attr-defined]

@@ -163,11 +163,14 @@ class Tagged:
 
     __slots__ = ("data", "digest", "items", "replay_ok", "state", "worker")
 
-    def __init__(
-        self, worker: int, items: int, digest: int, state: Any, replay_ok: bool | None, data: Any
-    ) -> None:
+    def __init__(self, worker: int, items: int, digest: int, state: Any, replay_ok: bool | None, data: Any) -> None:
         self.worker, self.items, self.digest, self.state, self.replay_ok, self.data = (
-            worker, items, digest, state, replay_ok, data
+            worker,
+            items,
+            digest,
+            state,
+            replay_ok,
+            data,
         )
 
     def pin_memory(self) -> Tagged:
@@ -195,6 +198,7 @@ class TagCollate:
         self.inner, self.token, self.batched = inner, token, batched
 
     def __call__(self, items: Any) -> Tagged:
+        """Collate ``items`` as the user's function does and tag the batch (in the worker)."""
         worker, dataset, stateful = _ACTIVE[self.token]
         count = len(items) if self.batched else 1
         digest = item_digest(items[-1] if self.batched else items)
@@ -211,6 +215,7 @@ class IsolatedStreams:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        """Within: the stream's streams are the global ones (seeded by the stream at its epoch's start)."""
         outer = random.getstate(), np.random.get_state(), torch.get_rng_state()
         if self._state is not None:
             random.setstate(self._state[0])
@@ -239,6 +244,7 @@ class StreamPosition:
         self._undo: deque[tuple[int, int, int, Any, int]] = deque(maxlen=HISTORY)
 
     def add(self, tag: Tagged) -> None:
+        """Count a batch fetched from the stream."""
         w = tag.worker
         self._undo.append((w, tag.items, self.digests[w], self.states[w], self.last_worker))
         self.items[w] += tag.items

@@ -26,12 +26,15 @@ N = 64  # samples per epoch (stream_run.N), batches of 4
 # Checkpoints after steps 3 and 5 sit in the middle of an epoch, at a worker other than the first (3 batches: the
 # round-robin stands at worker 1) and at the first; 8 ends an epoch on 2 ranks, 16 on 1 rank.
 BASE = [
-    {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 5, 11]},
+    {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 11]},
     {"name": "state-persistent", "source": "plain-state", "workers": 2, "persist": True, "chain": [3, 8]},
     {"name": "plain-1-rank-in-process", "source": "plain", "devices": 1, "workers": 0, "chain": [3, 16, 21]},
 ]
 OPTIONAL = {
-    "datasets": [{"name": "hf-workers", "source": "hf", "workers": 2, "chain": [3, 5]}],
+    "datasets": [
+        {"name": "hf-workers", "source": "hf", "workers": 2, "chain": [3, 5]},  # shuffle buffer: replayed
+        {"name": "hf-state", "source": "hf-state", "workers": 2, "chain": [5], "unshuffled": True},  # its state
+    ],
     "litdata": [{"name": "litdata-workers", "source": "litdata", "workers": 2, "chain": [3, 11], "elastic": [[1, 3]]}],
 }
 CONFIGS = BASE + [config for configs in OPTIONAL.values() for config in configs]
@@ -99,11 +102,15 @@ def test_every_epoch_reads_each_sample_once_and_epochs_differ(runs, config):
     per_epoch = steps_per_epoch(config)
     orders = []
     for epoch in range(2):
-        ids = [i for step in range(1, per_epoch + 1) for rank in straight["steps"][str(epoch * per_epoch + step)]["ids"]
-               for i in rank]
+        ids = [
+            i
+            for step in range(1, per_epoch + 1)
+            for rank in straight["steps"][str(epoch * per_epoch + step)]["ids"]
+            for i in rank
+        ]
         assert sorted(ids) == list(range(N))
         orders.append(ids)
-    assert orders[0] != orders[1]
+    assert orders[0] != orders[1] or config.get("unshuffled")
 
 
 def test_the_state_protocol_travels_in_the_checkpoint_and_replay_needs_none(runs):
@@ -116,6 +123,9 @@ def test_the_state_protocol_travels_in_the_checkpoint_and_replay_needs_none(runs
         assert all(state is not None and set(state) == {"dataset", "rng"} for state in stream["states"])
     for stream in streams("plain-workers"):
         assert sum(stream["items"]) == 12 and stream["states"] == [None, None]
+    if installed("datasets"):  # Hugging Face's own state, taken in the worker after each batch
+        assert all(state["dataset"]["epoch"] == 0 for stream in streams("hf-state") for state in stream["states"])
+        assert all(state is None for stream in streams("hf-workers") for state in stream["states"])
 
 
 @pytest.mark.skipif(not installed("litdata"), reason="needs litdata (pip install -e '.[streaming]')")

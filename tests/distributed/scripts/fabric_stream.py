@@ -76,8 +76,12 @@ def run(fabric: L.Fabric, out: Path, ckpt: Path | None) -> None:
         state["epoch"] += 1
     fabric.barrier()
     if fabric.global_rank == 0:
-        result = {"params": fingerprint(model), "optimizer": fingerprint(optimizer), "global_step": state["step"],
-                  "steps": steps}
+        result = {
+            "params": fingerprint(model),
+            "optimizer": fingerprint(optimizer),
+            "global_step": state["step"],
+            "steps": steps,
+        }
         (out / "result.json").write_text(json.dumps(result))
 
 

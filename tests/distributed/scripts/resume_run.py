@@ -2,6 +2,7 @@
 
 python resume_run.py straight OUT              # the whole run, ModelCheckpoint(every_n_train_steps=1): step=K.ckpt
 python resume_run.py resume OUT CKPT...        # for each CKPT in turn: a new Trainer resumes it to the end
+python resume_run.py both OUT K...             # OUT/straight, then OUT/straight/step=K.ckpt resumed into OUT/resumed
 python resume_run.py preempt OUT               # the whole run under PreemptionCheckpoint; the test sends SIGTERM
                                                # once every rank wrote OUT/ready<rank> at PREEMPT_AT_STEP, where
                                                # the ranks wait for the signal: no race with the end of the run
@@ -145,8 +146,15 @@ if __name__ == "__main__":
     if mode == "straight":
         every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         trainer(out, [every_step]).fit(Net(str(out)))
-    elif mode == "resume":
-        for ckpt in sys.argv[3:]:
+    elif mode in ("resume", "both"):
+        if mode == "both":  # the straight run first, in this process: resume_run.py both OUT K...
+            straight = out / "straight"
+            straight.mkdir(parents=True, exist_ok=True)
+            every_step = ModelCheckpoint(dirpath=straight, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+            trainer(straight, [every_step]).fit(Net(str(straight)))
+            out = out / "resumed"
+        ckpts = [out.parent / "straight" / f"step={k}.ckpt" for k in sys.argv[3:]] if mode == "both" else sys.argv[3:]
+        for ckpt in ckpts:
             target = out / Path(ckpt).stem
             target.mkdir(parents=True, exist_ok=True)
             trainer(target, []).fit(Net(str(target)), ckpt_path=ckpt)

@@ -99,14 +99,20 @@ class StatefulShuffled(Shuffled):
             yield {"id": i, "x": FEATURES[i] + 0.1 * torch.randn(8)}
 
 
-def hf_dataset():
+def hf_dataset(buffer: bool = True):
+    """Shuffled through a buffer (replayed: its state drops the buffer), or only by shards (restored by its state)."""
     from datasets import Dataset
     from datasets.distributed import split_dataset_by_node
 
     rank, world = _rank_world()
     data = Dataset.from_dict({"id": list(range(N)), "x": FEATURES.tolist()})
-    stream = data.to_iterable_dataset(num_shards=8).shuffle(seed=3, buffer_size=6)
+    stream = data.to_iterable_dataset(num_shards=8)
+    stream = stream.shuffle(seed=3, buffer_size=6) if buffer else stream
     return split_dataset_by_node(stream, rank=rank, world_size=world).with_format("torch")
+
+
+def hf_unshuffled():
+    return hf_dataset(buffer=False)
 
 
 def litdata_loader():
@@ -140,7 +146,8 @@ class Net(L.LightningModule):
     def train_dataloader(self):
         if SOURCE == "litdata":
             return litdata_loader()
-        dataset = {"plain": Shuffled, "plain-state": StatefulShuffled, "hf": hf_dataset}[SOURCE]()
+        sources = {"plain": Shuffled, "plain-state": StatefulShuffled, "hf": hf_dataset, "hf-state": hf_unshuffled}
+        dataset = sources[SOURCE]()
         persist = PERSIST and WORKERS > 0
         return DataLoader(dataset, batch_size=4, num_workers=WORKERS, persistent_workers=persist)
 
@@ -188,8 +195,9 @@ def write_litdata(directory: Path) -> None:
     """N samples in litdata's format, 8 chunks (so that every rank and worker has chunks of its own)."""
     from litdata import optimize
 
-    optimize(fn=_sample, inputs=list(range(N)), output_dir=str(directory), chunk_size=N // 8, num_workers=1,
-             mode="overwrite")
+    optimize(
+        fn=_sample, inputs=list(range(N)), output_dir=str(directory), chunk_size=N // 8, num_workers=1, mode="overwrite"
+    )
 
 
 def configure(config: dict) -> None:
