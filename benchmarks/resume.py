@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_determinism.resumable import make_resumable, set_plan
+from lightning_determinism.data.positions import set_plan
+from lightning_determinism.data.resumable import make_resumable
 
 torch.set_num_threads(1)
 

@@ -15,6 +15,7 @@ from lightning_determinism.callbacks import (
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
+from lightning_determinism.data.samplers import UnpaddedDistributedSampler
 from lightning_determinism.diagnosis import (
     DivergenceProbe,
     ProbeFileError,
@@ -43,7 +44,6 @@ from lightning_determinism.rng import (
     get_rng_tracker,
     restore_rng_state,
 )
-from lightning_determinism.samplers import UnpaddedDistributedSampler
 from lightning_determinism.seeding import derive_seed, set_seed
 from lightning_determinism.strategies import (
     DeterministicDDPStrategy,

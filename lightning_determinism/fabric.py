@@ -12,7 +12,7 @@ the Trainer's contract holds in a hand-written loop, at these points of Fabric's
    topology's streams) for training-time draws;
 3. ``fabric.setup_dataloaders(...)`` (``process_dataloader``): the loader's workers, shuffle and (``per_sample``)
    samples are seeded as the Trainer's :class:`~lightning_determinism.WorkerSeedCallback` seeds them
-   (:class:`~lightning_determinism.worker_seeding.LoaderSeeding`); loaders are numbered in the order they are set
+   (:class:`~lightning_determinism.data.worker_seeding.LoaderSeeding`); loaders are numbered in the order they are set
    up, the first keyed like the Trainer's first training loader. A loader's epoch is the number of times it has
    been iterated, as Fabric counts it for ``DistributedSampler.set_epoch``.
 
@@ -32,16 +32,17 @@ from typing_extensions import override
 
 from lightning_determinism._compat import fabric_inner_loader, fabric_iterations, set_fabric_iterations
 from lightning_determinism.backends import determinism_report
+from lightning_determinism.data.positions import PLAN_ATTR
+from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
+from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.rank_states import all_gather, check_ranks, digest, other_seed_message, verify_restored
-from lightning_determinism.resumable import PLAN_ATTR, make_fork_safe, make_resumable
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
-from lightning_determinism.worker_seeding import LoaderSeeding
 
 
 class DeterministicFabricStrategyMixin(SeedingProperties):

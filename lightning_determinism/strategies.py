@@ -25,11 +25,12 @@ from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_determinism._compat import accelerator_connector, module_trainer, set_sampler_epoch, swap_launcher
+from lightning_determinism.data.positions import next_train_epoch
+from lightning_determinism.data.resumable import make_fork_safe, make_resumable
+from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
-from lightning_determinism.resumable import make_fork_safe, make_resumable, next_train_epoch
-from lightning_determinism.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
 
@@ -209,7 +210,7 @@ class DeterministicStrategyMixin(SeedingProperties):
             # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
             # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
             set_sampler_epoch(dataloader, next_train_epoch(trainer))
-            # Mid-epoch resume at the index level (see lightning_determinism.resumable).
+            # Mid-epoch resume at the index level (see lightning_determinism.data.resumable).
             dataloader = make_resumable(dataloader, trainer)
         return dataloader
 

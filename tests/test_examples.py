@@ -1,6 +1,7 @@
 """The README's main job: the tiny LM trains on 2 processes (popen DDP) and reproduces its fingerprint; the same
 model as a Fabric loop gives the same bits."""
 
+import importlib.util
 import math
 import re
 import subprocess
@@ -83,12 +84,26 @@ def test_model_parallel_example_prints_the_2x2_pattern():
     assert len(set(noise)) == 4
 
 
+HAVE_LITDATA = importlib.util.find_spec("litdata") is not None
+
+
 @pytest.fixture(scope="module")
 def resume_demos():
     # Each demo runs an uninterrupted 2-epoch run beside a stopped and resumed one, and prints the uninterrupted
-    # run's validation lines: one pair of runs serves the resume claims and the Trainer-equals-Fabric claim.
-    return {"trainer": _run("--resume", "--epochs", "2", *SMALL), "fabric": _run("--resume", "--epochs", "2", *SMALL,
-                                                                                  example=FABRIC_EXAMPLE)}  # fmt: skip
+    # run's validation lines: one pair of runs serves the resume claims and the Trainer-equals-Fabric claim. The
+    # streaming demo (one process at a time) runs beside them.
+    streaming = None
+    if HAVE_LITDATA:
+        command = [sys.executable, str(EXAMPLE.parent / "streaming_lm.py"), "--resume", "--sentences", "400"]
+        streaming = subprocess.Popen(command + ["--devices", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=EXAMPLE.parent, env=child_env())  # fmt: skip
+    demos = {"trainer": _run("--resume", "--epochs", "2", *SMALL), "fabric": _run("--resume", "--epochs", "2", *SMALL,
+                                                                                   example=FABRIC_EXAMPLE)}  # fmt: skip
+    if streaming is not None:
+        out, err = streaming.communicate(timeout=CHILD_TIMEOUT_S)
+        assert streaming.returncode == 0, out[-3000:] + err[-3000:]
+        demos["streaming"] = out
+    return demos
 
 
 @pytest.mark.distributed
@@ -112,7 +127,9 @@ def test_fabric_resume_demo_is_bitwise(resume_demos):
 @pytest.mark.distributed
 def test_a_hand_written_fabric_loop_computes_what_the_trainer_does(resume_demos):
     # The same model, data and seed as the Trainer example: the same weights and validation figures, bit for bit.
-    trainer, fabric = (re.findall(r"uninterrupted 2 epochs:\s+([0-9a-f]{64})", resume_demos[k]) for k in resume_demos)
+    trainer, fabric = (
+        re.findall(r"uninterrupted 2 epochs:\s+([0-9a-f]{64})", resume_demos[k]) for k in ("trainer", "fabric")
+    )
     assert len(trainer) == 1 and trainer == fabric
     pattern = r"epoch (\d): val/loss (\d+\.\d+) val/ppl (\d+\.\d+)"
     figures = re.findall(pattern, resume_demos["trainer"])
@@ -131,11 +148,9 @@ def test_compare_single_vs_ddp_example_passes():
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(
-    __import__("importlib").util.find_spec("litdata") is None, reason="needs litdata (pip install -e '.[streaming]')"
-)
-def test_streaming_example_resumes_a_litdata_epoch_bitwise():
-    out = _run("--resume", "--sentences", "400", "--devices", "1", example=EXAMPLE.parent / "streaming_lm.py")
+@pytest.mark.skipif(not HAVE_LITDATA, reason="needs litdata (pip install -e '.[streaming]')")
+def test_streaming_example_resumes_a_litdata_epoch_bitwise(resume_demos):
+    out = resume_demos["streaming"]
     fingerprints = re.findall(r"\b[0-9a-f]{64}\b", out)
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1], out
     assert "stopped after step 9 of 16, resumed" in out and "bitwise identical" in out

@@ -181,7 +181,7 @@ def test_resuming_mid_epoch_with_workers_but_no_per_sample_seeding_warns(tmp_pat
 def test_torchdata_stateful_loader_is_refused_with_the_reason():
     from torch.utils.data import DataLoader
 
-    from lightning_determinism.resumable import make_resumable
+    from lightning_determinism.data.resumable import make_resumable
 
     fake = type(
         "StatefulDataLoader", (DataLoader,), {"__module__": "torchdata.stateful_dataloader.stateful_dataloader"}

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_determinism.data.positions import PLAN_ATTR
+from lightning_determinism.data.resumable import make_resumable
 from lightning_determinism.data.streams import StreamIterator, StreamPosition, Tagged, has_state_protocol
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.resumable import PLAN_ATTR, make_resumable
 
 
 def round_robin(counts: list[int], start: list[int]) -> list[tuple[int, int]]:
@@ -118,7 +119,7 @@ def test_the_state_protocol_needs_both_methods():
 
 
 def test_per_sample_seeding_is_refused_for_a_stream_with_the_reason():
-    from lightning_determinism.worker_seeding import LoaderSeeding
+    from lightning_determinism.data.worker_seeding import LoaderSeeding
 
     loader = DataLoader(Noisy(), batch_size=2)
     with pytest.warns(DeterminismWarning, match="has no meaning for `Noisy`, a stream"):

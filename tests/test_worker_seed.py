@@ -55,7 +55,7 @@ def test_without_the_callback_dropout_changes_the_data(tmp_path):
 def test_users_generator_is_respected():
     from torch.utils.data import DataLoader
 
-    from lightning_determinism.worker_seeding import LoaderSeeding
+    from lightning_determinism.data.worker_seeding import LoaderSeeding
     from tests.lightning_models import StreamDataset
 
     generator = torch.Generator().manual_seed(77)

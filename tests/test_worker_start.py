@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_determinism import _worker_start
+from lightning_determinism.data import _worker_start
+from lightning_determinism.data.resumable import make_fork_safe
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.resumable import make_fork_safe
 
 
 class _Noisy(torch.utils.data.Dataset):

@@ -25,12 +25,12 @@ from typing_extensions import override
 
 from lightning_determinism import elastic
 from lightning_determinism.backends import determinism_report
+from lightning_determinism.data.positions import consumed_batches, loader_positions, mark_stream_start, set_plan
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.isolation import training_rng_state
 from lightning_determinism.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
 from lightning_determinism.rank_states import all_gather as _all_gather
 from lightning_determinism.rank_states import digest as _digest
-from lightning_determinism.resumable import consumed_batches, loader_positions, mark_stream_start, set_plan
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
 
@@ -137,7 +137,7 @@ class RNGStateCheckpoint(Callback):
                 category=DeterminismWarning,
             )
         _warn_about_streams(data, same_world, world_size, trainer.world_size)
-        set_plan(trainer, data)  # type: ignore[arg-type]  # taken by the training loaders at their first batch
+        set_plan(trainer, data)  # taken by the training loaders at their first batch
         worker_cb = _worker_callback(trainer)
         if worker_cb is None:
             return

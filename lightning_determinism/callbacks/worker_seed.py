@@ -4,8 +4,9 @@ Lightning creates the epoch-0 iterator of the training loader inside ``FitLoop.s
 ``on_train_start`` or ``on_train_epoch_start`` run, so a callback hook is too late to seed epoch 0. Every loader,
 however, passes through ``strategy.process_dataloader()`` right after it is built and before its first ``iter()``.
 The callback wraps that method on the strategy instance (any strategy, Lightning's own included) for the duration
-of the run, and prepares each ``DataLoader`` there with :class:`~lightning_determinism.worker_seeding.LoaderSeeding`
-(worker seeds, a loader-private generator, per-sample seeds; the Fabric strategies share it).
+of the run, and prepares each ``DataLoader`` there with
+:class:`~lightning_determinism.data.worker_seeding.LoaderSeeding` (worker seeds, a loader-private generator,
+per-sample seeds; the Fabric strategies share it).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism.resumable import next_train_epoch
+from lightning_determinism.data.positions import next_train_epoch
+from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.seeding import check_seed
-from lightning_determinism.worker_seeding import LoaderSeeding
 
 
 class WorkerSeedCallback(Callback):

@@ -124,7 +124,7 @@ class StatefulLoaderMixin:
             self._ldet_loading = False
 
     def _ldet_take_resume(self) -> dict[str, Any] | None:
-        from lightning_determinism.resumable import take_resume  # resumable imports this module
+        from lightning_determinism.data.positions import take_resume  # positions imports this module
 
         return take_resume(self._ldet_trainer(), self)
 

@@ -1,6 +1,6 @@
 """The loader side of resumable streams: creating a converted stream loader's iterator, and its saved position.
 
-Called by :class:`~lightning_determinism.resumable.ResumableLoaderMixin` for a ``DataLoader`` over an
+Called by :class:`~lightning_determinism.data.resumable.ResumableLoaderMixin` for a ``DataLoader`` over an
 ``IterableDataset`` (see :mod:`~lightning_determinism.data.streams` for the mechanism).
 """
 

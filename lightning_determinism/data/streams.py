@@ -1,7 +1,7 @@
 """Iterable training data that resumes mid-epoch at the exact sample: the state protocol, or replay in the workers.
 
 A training ``DataLoader`` over an ``IterableDataset`` is converted by the deterministic strategies like a map-style
-one (:mod:`~lightning_determinism.resumable`), with a stream's own machinery:
+one (:mod:`~lightning_determinism.data.resumable`), with a stream's own machinery:
 
 - **Its own streams.** Each worker seeds python, numpy and torch at the start of every epoch from
   ``derive_seed(base, rank, "stream", worker, epoch)`` (and calls the dataset's ``set_epoch(epoch)`` when it has
@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_determinism._compat import hf_shuffles
-from lightning_determinism._index_skip import consume
+from lightning_determinism.data._index_skip import consume
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 from lightning_determinism.seeding import derive_seed
 

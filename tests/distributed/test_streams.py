@@ -24,11 +24,12 @@ SCRIPTS = Path(__file__).parent / "scripts"
 N = 64  # samples per epoch (stream_run.N), batches of 4
 
 # Checkpoints after steps 3 and 5 sit in the middle of an epoch, at a worker other than the first (3 batches: the
-# round-robin stands at worker 1) and at the first; 8 ends an epoch on 2 ranks, 16 on 1 rank.
+# round-robin stands at worker 1) and at the first; 8 ends an epoch on 2 ranks, 16 on 1 rank (Lightning does not reset
+# its batch counter for the next epoch of a stream: 21 is resumed from the run resumed at 16).
 BASE = [
     {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 11]},
     {"name": "state-persistent", "source": "plain-state", "workers": 2, "persist": True, "chain": [3, 8]},
-    {"name": "plain-1-rank-in-process", "source": "plain", "devices": 1, "workers": 0, "chain": [3, 16, 21]},
+    {"name": "plain-1-rank-in-process", "source": "plain", "devices": 1, "workers": 0, "chain": [16, 21]},
 ]
 OPTIONAL = {
     "datasets": [
@@ -44,24 +45,43 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def run(script: str, *args: str, env: dict[str, str]) -> None:
-    result = subprocess.run(
+def start(script: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, str(SCRIPTS / script), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=CHILD_TIMEOUT_S,
         env=child_env(**env),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout + result.stderr
+
+
+def finish(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
+    assert process.returncode == 0, out[-3000:] + err[-5000:]
+    return out + err
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def all_runs(tmp_path_factory):
+    """The Trainer's configurations and the Fabric loops, side by side (two child processes, one wait)."""
     root = tmp_path_factory.mktemp("streams")
     configs = BASE + [config for module, extra in OPTIONAL.items() if installed(module) for config in extra]
-    logs = run("stream_run.py", "configs", str(root), json.dumps(configs), env={"LITDATA_DIR": str(root / "litdata")})
-    return root, logs
+    trainer = start("stream_run.py", "configs", str(root), json.dumps(configs), env={"LITDATA_DIR": str(root / "ld")})
+    sources = ["plain"] + (["litdata"] if installed("litdata") else [])
+    # Fabric: no workers (the Trainer's runs have them); its own litdata directory, written by its rank 0.
+    env = {"WORKERS": "0", "LITDATA_DIR": str(root / "fabric-ld")}
+    fabric = start("fabric_stream.py", str(root / "fabric"), "3", ",".join(sources), env=env)
+    return root, finish(trainer), finish(fabric)
+
+
+@pytest.fixture(scope="module")
+def runs(all_runs):
+    return all_runs[0], all_runs[1]
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(all_runs):
+    return all_runs[0] / "fabric"
 
 
 def result(path: Path) -> dict:
@@ -137,15 +157,6 @@ def test_litdata_resumed_on_one_rank_neither_repeats_nor_skips_a_sample_and_says
     assert sorted(before + after[: N - len(before)]) == list(range(N))  # the interrupted epoch
     assert sorted(after[N - len(before) :]) == list(range(N))  # the next one, on the new grid
     assert "is resumed on 1: the loader restripes its own state" in " ".join(logs.split())
-
-
-@pytest.fixture(scope="module")
-def fabric_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fabric-streams")
-    sources = ["plain"] + (["litdata"] if installed("litdata") else [])
-    env = {"WORKERS": "0", "LITDATA_DIR": str(root / "litdata")}  # workers: the Trainer's tests; here the loop
-    run("fabric_stream.py", str(root), "3", ",".join(sources), env=env)
-    return root
 
 
 @pytest.mark.parametrize("source", ["plain", "litdata"])

@@ -19,7 +19,7 @@ Randomness drawn inside data-loader workers lives in processes that cannot be ch
 ``num_workers > 0`` need :class:`~lightning_determinism.WorkerSeedCallback` ``(per_sample=True)``.
 
 Every loader the strategies process (evaluation loaders too) also survives CPython's fork deadlock gh-112275
-(:mod:`~lightning_determinism._worker_start`).
+(:mod:`~lightning_determinism.data._worker_start`).
 """
 
 from __future__ import annotations
@@ -34,20 +34,16 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_determinism._compat import (
     base_index_sampler,
-    combined_loader,
-    combined_mode,
     loader_iterator,
     set_sampler_epoch,
 )
-from lightning_determinism._index_skip import SkipOnce, prime
-from lightning_determinism._worker_start import create_iterator
+from lightning_determinism.data._index_skip import SkipOnce, prime
+from lightning_determinism.data._worker_start import create_iterator
+from lightning_determinism.data.positions import current_epoch, is_converted, take_resume
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
-from lightning_determinism.data.stream_loader import create_stream_iterator, stream_entry
+from lightning_determinism.data.stream_loader import create_stream_iterator
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
-
-PLAN_ATTR = "_ldet_resume_plan"
-"""Attribute of the trainer holding the per-loader resume states read from a checkpoint, until they are used."""
 
 
 class _LazyIterator:
@@ -159,7 +155,7 @@ class ResumableLoaderMixin:
         if getattr(self, "_ldet_stream", False):
             return self._ldet_create_stream(trainer, resume, create)
         if resume is None:
-            self._ldet_set_epoch(_current_epoch(trainer))
+            self._ldet_set_epoch(current_epoch(trainer))
             self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
             return create()  # type: ignore[no-any-return]
         self._ldet_set_epoch(int(resume["epoch"]))
@@ -227,7 +223,7 @@ class ResumableLoaderMixin:
 
 def _loader_epoch(loader: Any, trainer: Any) -> int:
     if trainer is not None:
-        return _current_epoch(trainer)
+        return current_epoch(trainer)
     epoch = getattr(loader, "_ldet_epoch", None)  # Fabric: the number of earlier iterations (set by __iter__)
     return int(epoch) if epoch is not None else 0
 
@@ -255,11 +251,6 @@ def _resumable_class(cls: type) -> type:
             f"Resumable{cls.__name__}", (cls,), {**methods, "__module__": __name__, "_ldet_converted": True}
         )
     return _CLASSES[cls]
-
-
-def is_converted(loader: object) -> bool:
-    """Whether the strategies converted this loader (see :func:`make_resumable`)."""
-    return bool(getattr(type(loader), "_ldet_converted", False))
 
 
 def _is_torchdata_stateful(dataloader: object) -> bool:
@@ -319,117 +310,4 @@ def make_resumable(dataloader: object, trainer: Any) -> object:
     return converted
 
 
-def _current_epoch(trainer: Any) -> int:
-    return int(trainer.fit_loop.epoch_progress.current.processed) if trainer is not None else 0
-
-
-def next_train_epoch(trainer: Any) -> int:
-    """The epoch the next training iterator serves: a pending resume's, else the loop's.
-
-    Examples:
-        >>> next_train_epoch(None)
-        0
-    """
-    plan = [entry for entry in getattr(trainer, PLAN_ATTR, None) or [] if entry is not None]
-    if plan:
-        return int(plan[0]["epoch"])
-    return _current_epoch(trainer)
-
-
-def set_plan(trainer: Any, states: list[dict[str, Any]] | None) -> None:
-    """Keep the per-loader states saved for this rank; each training loader takes its own at its first batch."""
-    setattr(trainer, PLAN_ATTR, list(states) if states else None)
-
-
-def take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
-    """The saved position this loader resumes at, taken once (the loader's own, Fabric; else the trainer's plan)."""
-    pending = getattr(loader, PLAN_ATTR, None)  # Fabric: FabricRNGState gives each loader its own
-    if pending is not None:
-        setattr(loader, PLAN_ATTR, None)
-        return pending  # type: ignore[no-any-return]
-    plan = getattr(trainer, PLAN_ATTR, None)
-    if not plan:
-        return None
-    combined = combined_loader(trainer)
-    loaders = list(combined.flattened) if combined is not None else [loader]
-    slot = next((i for i, other in enumerate(loaders) if other is loader), None)
-    if slot is None or slot >= len(plan) or plan[slot] is None:
-        return None
-    state, plan[slot] = plan[slot], None
-    if all(entry is None for entry in plan):
-        setattr(trainer, PLAN_ATTR, None)
-    return state
-
-
-def consumed_batches(trainer: Any) -> int:
-    """Batches of the current epoch a resumed run must not run again, as Lightning counts them on restart.
-
-    A checkpoint written at the end of a batch (``on_train_batch_end``) resumes after it; one written during a batch
-    (on an exception) repeats it.
-    """
-    batches = trainer.fit_loop.epoch_loop.batch_progress.current
-    done_batch = batches.ready == batches.started == batches.processed == batches.completed + 1
-    return int(batches.processed if done_batch else batches.completed)
-
-
-def mark_stream_start(trainer: Any) -> None:
-    """At a training batch's start: the loop's batch count from which each new stream iterator counts its own."""
-    combined = combined_loader(trainer)
-    for loader in combined.flattened if combined is not None else []:
-        if getattr(loader, "_ldet_stream", False) and getattr(loader, "_ldet_position", None) is not None:
-            if loader._ldet_counter_base is None:
-                ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
-                loader._ldet_counter_base = ready - 1 - loader._ldet_position.saved_batches
-
-
-def loader_positions(trainer: Any) -> list[dict[str, Any]]:
-    """Per training loader: the epoch to resume in, batches to skip, and the epoch's saved RNG states.
-
-    Derived from Lightning's loop counters the way Lightning restarts: a checkpoint written at the end of a batch
-    resumes after it, one written mid-batch (an exception) repeats it; a finished epoch resumes at the next one.
-    """
-    fit_loop = trainer.fit_loop
-    combined = combined_loader(trainer)
-    if combined is None:
-        return []
-    epochs = fit_loop.epoch_progress.current
-    mid_epoch = epochs.processed < epochs.started
-    consumed = consumed_batches(trainer)
-    total = trainer.num_training_batches
-    finished = not mid_epoch or consumed >= total
-    epoch = int(epochs.processed) + (1 if mid_epoch and finished else 0)
-    limits = getattr(combined, "limits", None) or [None] * len(combined.flattened)
-    positions: list[dict[str, Any]] = []
-    for loader, limit in zip(combined.flattened, limits, strict=False):
-        if is_stateful_loader(loader) and hasattr(loader, "_ldet_position_at"):
-            positions.append({"epoch": epoch, **loader._ldet_position_at(consumed, finished)})
-            continue
-        if is_converted(loader) and getattr(loader, "_ldet_stream", False):
-            positions.append(stream_entry(loader, consumed, epoch))  # by the stream's own count (see there)
-            continue
-        if finished or not (is_converted(loader) and loader._ldet_resumable):
-            entry: dict[str, Any] = {"epoch": epoch, "skip": 0, "epoch_start": None}
-            if not finished and consumed:  # neither restorable nor replayable: said at resume (RNGStateCheckpoint)
-                entry["restarts"] = type(loader).__name__
-            positions.append(entry)
-            continue
-        length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
-        cycles = combined_mode(combined) == "max_size_cycle" and length < total
-        skip = consumed % length if cycles and length else min(consumed, length)
-        positions.append({"epoch": epoch, "skip": int(skip), "epoch_start": loader._ldet_epoch_start})
-    return positions
-
-
-__all__ = [
-    "PLAN_ATTR",
-    "ResumableLoaderMixin",
-    "consumed_batches",
-    "is_converted",
-    "loader_positions",
-    "mark_stream_start",
-    "make_fork_safe",
-    "make_resumable",
-    "next_train_epoch",
-    "set_plan",
-    "take_resume",
-]
+__all__ = ["ResumableLoaderMixin", "make_fork_safe", "make_resumable"]

@@ -1,8 +1,8 @@
 """Skipping the batches a resumed epoch already consumed, at the index level, before any sample is read.
 
-Used by :mod:`~lightning_determinism.resumable`: a resumed iterator's index sampler is wrapped in :class:`SkipOnce`,
-which drops the consumed indices at its first draw; list and range iterators (and generators delegating to one, as
-``RandomSampler``'s) jump in O(1).
+Used by :mod:`~lightning_determinism.data.resumable`: a resumed iterator's index sampler is wrapped in
+:class:`SkipOnce`, which drops the consumed indices at its first draw; list and range iterators (and generators
+delegating to one, as ``RandomSampler``'s) jump in O(1).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def workers_started(iterator: Any, flags: torch.Tensor, timeout: float) -> bool:
 def create_iterator(loader: Any, create: Any) -> Any:
     """``create()`` the loader's iterator; if a forked worker is stuck, fork the workers again.
 
-    ``loader`` is a converted ``DataLoader`` (:class:`~lightning_determinism.resumable.ResumableLoaderMixin`): its
+    ``loader`` is a converted ``DataLoader`` (:class:`~lightning_determinism.data.resumable.ResumableLoaderMixin`): its
     ``_ldet_snapshot`` / ``_ldet_restore`` give the same RNG states to every attempt.
     """
     workers = int(getattr(loader, "num_workers", 0))
