@@ -27,7 +27,7 @@ N = 64  # samples per epoch (stream_run.N), batches of 4
 # round-robin stands at worker 1) and at the first; 8 ends an epoch on 2 ranks, 16 on 1 rank (Lightning does not reset
 # its batch counter for the next epoch of a stream: 21 is resumed from the run resumed at 16).
 BASE = [
-    {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 11]},
+    {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 5, 11]},
     {"name": "state-persistent", "source": "plain-state", "workers": 2, "persist": True, "chain": [3, 8]},
     {"name": "plain-1-rank-in-process", "source": "plain", "devices": 1, "workers": 0, "chain": [16, 21]},
 ]
