@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def write_dataset(directory: Path, sentences: int) -> None:
     """The training windows in litdata's chunked format (what `litdata.optimize` writes for a cloud bucket)."""
     from litdata import optimize
 
+    method = multiprocessing.get_start_method(allow_none=True)
     optimize(
         fn=window,
         inputs=window_starts(sentences),
@@ -80,6 +82,7 @@ def write_dataset(directory: Path, sentences: int) -> None:
         num_workers=1,
         mode="overwrite",
     )
+    multiprocessing.set_start_method(method, force=True)  # optimize leaves "spawn" set for the whole process
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

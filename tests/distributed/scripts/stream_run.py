@@ -15,6 +15,7 @@ parameters and optimizer state.
 """
 
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -195,9 +196,11 @@ def write_litdata(directory: Path) -> None:
     """N samples in litdata's format, 8 chunks (so that every rank and worker has chunks of its own)."""
     from litdata import optimize
 
+    method = multiprocessing.get_start_method(allow_none=True)
     optimize(
         fn=_sample, inputs=list(range(N)), output_dir=str(directory), chunk_size=N // 8, num_workers=1, mode="overwrite"
     )
+    multiprocessing.set_start_method(method, force=True)  # optimize leaves "spawn" set for the whole process
 
 
 def configure(config: dict) -> None:
