@@ -95,8 +95,9 @@ def resume_demos():
     streaming = None
     if HAVE_LITDATA:
         command = [sys.executable, str(EXAMPLE.parent / "streaming_lm.py"), "--resume", "--sentences", "400"]
-        streaming = subprocess.Popen(command + ["--devices", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, cwd=EXAMPLE.parent, env=child_env())  # fmt: skip
+        command += ["--devices", "1", "--workers", "0"]  # litdata's workers and 2 ranks: tests/distributed/test_streams
+        streaming = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=EXAMPLE.parent, env=child_env())  # fmt: skip
     demos = {"trainer": _run("--resume", "--epochs", "2", *SMALL), "fabric": _run("--resume", "--epochs", "2", *SMALL,
                                                                                    example=FABRIC_EXAMPLE)}  # fmt: skip
     if streaming is not None:
