@@ -88,6 +88,7 @@ def mark_stream_start(trainer: Any) -> None:
             if loader._ldet_counter_base is None:
                 ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
                 loader._ldet_counter_base = ready - 1 - loader._ldet_position.saved_batches
+                loader._ldet_pending = None  # the resume is in use (see ResumableLoaderMixin._ldet_create_stream)
 
 
 def loader_positions(trainer: Any) -> list[dict[str, Any]]:

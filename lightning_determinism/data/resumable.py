@@ -200,7 +200,13 @@ class ResumableLoaderMixin:
         or counting the epoch as started (it compares the counter with an infinite length): the stream keeps its
         own epoch and counts its batches from the loop's counter at its creation.
         """
+        pending = getattr(self, "_ldet_pending", None)
+        if resume is None and pending is not None:
+            # Lightning 2.5 creates the training iterator twice when it restarts: the first one, which took the
+            # resume, is dropped before a batch of it is trained on. The second resumes at the same position.
+            resume = pending
         iterator = self._ldet_new_stream(trainer, resume, create)
+        self._ldet_pending = resume if trainer is not None and resume is not None else None
         self._ldet_counter_base = None  # set at the first training batch from this iterator (see mark_stream_start)
         return iterator
 
