@@ -23,10 +23,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_determinism.data.streams import HISTORY  # batches kept to take a position back (fetched ahead)
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
-
-HISTORY = 16
-"""Delivered batches whose state is kept (Lightning's fetcher runs one ahead)."""
 
 
 def is_stateful_loader(loader: object) -> bool:

@@ -20,7 +20,6 @@ from lightning_determinism.data.streams import (
     StreamPosition,
     StreamProxy,
     TagCollate,
-    has_state_protocol,
 )
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding import current_seeds
@@ -144,14 +143,4 @@ def stream_entry(loader: Any, consumed: int, loop_epoch: int) -> dict[str, Any]:
     return {"epoch": epoch, "skip": 0, "epoch_start": None, "stream": position.at(own)}
 
 
-def describe(dataset: object) -> str:
-    """How a stream over ``dataset`` resumes, in words (for messages and the docs' examples).
-
-    Examples:
-        >>> describe(range(3))
-        'replayed from the seeds'
-    """
-    return "restored by its state_dict()" if has_state_protocol(dataset) else "replayed from the seeds"
-
-
-__all__ = ["create_stream_iterator", "describe", "stream_entry", "stream_plan"]
+__all__ = ["create_stream_iterator", "stream_entry", "stream_plan"]
