@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +38,8 @@ try:  # the names themselves; a missing one is reported by check_compat() at the
     from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
     from torch._dynamo.decorators import mark_unbacked
     from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
-    from torch.utils.data._utils.signal_handling import _remove_worker_pids
-    from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
+    from torch.utils.data._utils.signal_handling import _remove_worker_pids  # noqa: F401  (for _compat_data)
+    from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter  # noqa: F401
     from torchmetrics.utilities.plot import _AX_TYPE as AX_TYPE
     from torchmetrics.utilities.plot import _PLOT_OUT_TYPE as PLOT_OUT_TYPE
 except ImportError as error:  # pragma: no cover  (exercised by faking a missing name in tests/test_compat.py)
@@ -330,65 +330,6 @@ def set_fabric_iterations(loader: Any, count: int) -> None:
         loader._num_iter_calls = count
 
 
-def loader_iterator(loader: Any) -> Any:
-    """A ``DataLoader``'s persistent-workers iterator (``None`` until one exists)."""
-    return _private(loader, "_iterator")
-
-
-def drop_loader_iterator(loader: Any) -> None:
-    """Forget a ``DataLoader``'s persistent-workers iterator: the next ``iter()`` starts new workers."""
-    _private(loader, "_iterator")
-    loader._iterator = None
-
-
-def base_index_sampler(cls: type, loader: Any) -> Any:
-    """The index sampler of ``loader`` as the ``DataLoader`` class ``cls`` defines it (its ``_index_sampler``)."""
-    return _private(cls, "_index_sampler").fget(loader)
-
-
-def worker_processes(iterator: Any) -> list[Any]:
-    """The worker processes of a multi-process ``DataLoader`` iterator; ``[]`` for any other iterator."""
-    return list(_private(iterator, "_workers")) if isinstance(iterator, _MultiProcessingDataLoaderIter) else []
-
-
-def forget_worker_pids(iterator: Any) -> None:
-    """Take the iterator's workers out of torch's SIGCHLD watch, so killing them is not reported as a crash."""
-    if _private(iterator, "_worker_pids_set"):
-        _remove_worker_pids(id(iterator))
-        iterator._worker_pids_set = False
-
-
-def shutdown_workers(iterator: Any) -> None:
-    """Stop a multi-process ``DataLoader`` iterator's workers."""
-    _private(iterator, "_shutdown_workers")()
-
-
-def sampler_iter(iterator: Any) -> Iterator[Any] | None:
-    """The index iterator of a single-process ``DataLoader`` iterator; ``None`` otherwise (workers drew already)."""
-    if not isinstance(iterator, _BaseDataLoaderIter) or int(_private(iterator, "_num_workers")):
-        return None
-    return _private(iterator, "_sampler_iter")  # type: ignore[no-any-return]
-
-
-def set_sampler_iter(iterator: Any, indices: Iterator[Any]) -> None:
-    """Replace the index iterator of a single-process ``DataLoader`` iterator."""
-    _private(iterator, "_sampler_iter")
-    iterator._sampler_iter = indices
-
-
-def hf_shuffles(dataset: Any) -> bool:
-    """Whether a Hugging Face ``IterableDataset`` has a shuffle buffer, whose content its state drops (#7901).
-
-    Found in its chain of examples iterables; ``True`` when unsure (replay, always exact). Not checked at import.
-    """
-    node = getattr(dataset, "_ex_iterable", None)
-    while node is not None and not hasattr(node, "ex_iterables"):  # several sources: unsure
-        if type(node).__name__ == "BufferShuffledExamplesIterable":
-            return True
-        node = getattr(node, "ex_iterable", None)
-    return node is not None or not hasattr(dataset, "_ex_iterable")
-
-
 def metric_defaults(metric: Any) -> dict[str, Any]:
     """A torchmetrics ``Metric``'s state defaults (what ``reset()`` restores)."""
     return _private(metric, "_defaults")  # type: ignore[no-any-return]
@@ -401,12 +342,12 @@ if _import_error is not None:  # pragma: no cover  (a name the pieces above do n
 # fmt: off
 __all__ = [
     "AX_TYPE", "BatchNorm", "FabricDataLoader", "LIGHTNING_FLOOR", "MultiProcessingLauncher", "PIECES",
-    "PLOT_OUT_TYPE", "Piece", "SubprocessScriptLauncher", "accelerator_connector", "base_index_sampler",
-    "check_compat", "combined_loader", "combined_mode", "drop_loader_iterator", "fabric_inner_loader",
-    "fabric_iterations", "forget_worker_pids", "hf_shuffles", "launcher_start_method", "launcher_strategy",
-    "loader_iterator", "mark_unbacked", "metric_defaults", "module_trainer", "sampler_iter", "set_fabric_iterations",
-    "set_sampler_epoch", "set_sampler_iter", "should_accumulate", "shutdown_workers", "slurm_requeue",
+    "PLOT_OUT_TYPE", "Piece", "SubprocessScriptLauncher", "accelerator_connector",
+    "check_compat", "combined_loader", "combined_mode", "fabric_inner_loader",
+    "fabric_iterations", "launcher_start_method", "launcher_strategy",
+    "mark_unbacked", "metric_defaults", "module_trainer", "set_fabric_iterations",
+    "set_sampler_epoch", "should_accumulate", "slurm_requeue",
     "suggested_max_num_threads", "swap_launcher", "teardown_trainer", "trainer_results", "update_dataloader",
-    "versions", "worker_processes", "wrapped_sampler",
+    "versions", "wrapped_sampler",
 ]
 # fmt: on

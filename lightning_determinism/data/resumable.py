@@ -32,11 +32,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_determinism._compat import (
-    base_index_sampler,
-    loader_iterator,
-    set_sampler_epoch,
-)
+from lightning_determinism._compat import set_sampler_epoch
+from lightning_determinism._compat_data import base_index_sampler, loader_iterator
 from lightning_determinism.data._index_skip import SkipOnce, prime
 from lightning_determinism.data._worker_start import create_iterator
 from lightning_determinism.data.positions import current_epoch, is_converted, take_resume

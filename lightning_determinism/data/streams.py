@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_determinism._compat import hf_shuffles
+from lightning_determinism._compat_data import hf_shuffles
 from lightning_determinism.data._index_skip import consume
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 from lightning_determinism.seeding import derive_seed
