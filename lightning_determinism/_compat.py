@@ -38,6 +38,7 @@ try:  # the names themselves; a missing one is reported by check_compat() at the
     from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
     from torch._dynamo.decorators import mark_unbacked
     from torch.nn.modules.batchnorm import _BatchNorm as BatchNorm
+    from torch.utils.data._utils import worker as worker_module  # noqa: F401  (for _compat_data)
     from torch.utils.data._utils.signal_handling import _remove_worker_pids  # noqa: F401  (for _compat_data)
     from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter  # noqa: F401
     from torchmetrics.utilities.plot import _AX_TYPE as AX_TYPE
@@ -195,6 +196,10 @@ PIECES: tuple[Piece, ...] = (
           "workers stuck in CPython's fork deadlock (gh-112275) must be found and stopped",
           lambda: _assigns(f"{_DATA}:_MultiProcessingDataLoaderIter", "_workers", "_worker_pids_set")()
           and _exists(f"{_DATA}:_MultiProcessingDataLoaderIter._shutdown_workers")()),
+    Piece("torch.utils.data._utils.worker._worker_info, WorkerInfo(id, num_workers, seed, dataset)",
+          "a stream resumed on another grid plays the old workers' shards: get_worker_info() must name the old worker",
+          lambda: hasattr(importlib.import_module("torch.utils.data._utils.worker"), "_worker_info")
+          and _exists("torch.utils.data._utils.worker:WorkerInfo", "id", "num_workers", "seed", "dataset")()),
     Piece("torch._dynamo.decorators.mark_unbacked",
           "one compiled perplexity kernel for every batch size; torch.compile has no public equivalent",
           _exists("torch._dynamo.decorators:mark_unbacked")),

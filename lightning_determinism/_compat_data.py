@@ -6,6 +6,7 @@ Split from :mod:`lightning_determinism._compat`, which checks every private name
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from lightning_determinism._compat import (
     _private,
     _remove_worker_pids,
 )
+from lightning_determinism._compat import worker_module as _worker_module
 
 
 def loader_iterator(loader: Any) -> Any:
@@ -63,6 +65,18 @@ def set_sampler_iter(iterator: Any, indices: Iterator[Any]) -> None:
     iterator._sampler_iter = indices
 
 
+@contextlib.contextmanager
+def worker_info_as(worker: int, num_workers: int, seed: int, dataset: Any) -> Iterator[None]:
+    """Within: ``get_worker_info()`` describes worker ``worker`` of ``num_workers`` (``None`` for 0 workers)."""
+    before = _private(_worker_module, "_worker_info")
+    info = _worker_module.WorkerInfo(id=worker, num_workers=num_workers, seed=seed, dataset=dataset)
+    _worker_module._worker_info = info if num_workers > 0 else None
+    try:
+        yield
+    finally:
+        _worker_module._worker_info = before
+
+
 def hf_shuffles(dataset: Any) -> bool:
     """Whether a Hugging Face ``IterableDataset`` has a shuffle buffer, whose content its state drops (#7901).
 
@@ -85,5 +99,6 @@ __all__ = [
     "sampler_iter",
     "set_sampler_iter",
     "shutdown_workers",
+    "worker_info_as",
     "worker_processes",
 ]

@@ -2,13 +2,16 @@
 
 import importlib.util
 import itertools
+import os
 import random
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, OldStream, share
 from lightning_determinism.data.positions import PLAN_ATTR
 from lightning_determinism.data.resumable import make_resumable
 from lightning_determinism.data.streams import StreamIterator, StreamPosition, Tagged, has_state_protocol
@@ -125,3 +128,81 @@ def test_per_sample_seeding_is_refused_for_a_stream_with_the_reason():
     with pytest.warns(DeterminismWarning, match="has no meaning for `Noisy`, a stream"):
         LoaderSeeding(base_seed=1, rank=0, per_sample=True).prepare(loader, "train")
     assert not hasattr(loader.dataset, "__getitems__")
+
+
+def resumed_elsewhere(dataset, k: int, **loader):
+    """The uninterrupted epoch (batches of 3, no workers) and its rest after batch ``k`` on another grid."""
+    uninterrupted = make_resumable(DataLoader(dataset, batch_size=3), None)
+    iterator = iter(uninterrupted)
+    head = [next(iterator) for _ in range(k)]
+    position = uninterrupted._ldet_position.at(k)
+    tail = list(iterator)
+    resumed = make_resumable(DataLoader(dataset, **loader), None)
+    setattr(resumed, PLAN_ATTR, {"epoch": 0, "stream": position, "grid": [position]})
+    with pytest.warns(DeterminismWarning, match=r"resumes on another grid \(num_workers 0 -> 2, batch_size 3 -> 4\)"):
+        again = list(resumed)
+    return head, tail, again
+
+
+def samples(batches) -> dict[int, torch.Tensor]:
+    return {int(i): noise for batch in batches for i, noise in zip(batch["id"], batch["noise"], strict=True)}
+
+
+def test_a_stream_resumed_with_other_workers_and_batch_size_trains_the_rest_once_bit_for_bit():
+    head, tail, again = resumed_elsewhere(Noisy(), 3, batch_size=4, num_workers=2)
+    rest, elsewhere = samples(tail), samples(again)
+    assert sum(len(batch["id"]) for batch in again) == len(elsewhere) == 24 - 9  # none repeated
+    assert set(elsewhere) == set(rest) and set(rest).isdisjoint(samples(head))  # none skipped
+    assert all(torch.equal(elsewhere[i], rest[i]) for i in rest)  # the noise drawn in the stream, bit for bit
+    assert [len(batch["id"]) for batch in again] == [4, 4, 4, 3]
+
+
+def test_a_position_without_the_other_ranks_restarts_the_epoch_with_a_warning():
+    uninterrupted = make_resumable(DataLoader(Noisy(), batch_size=3), None)
+    iterator = iter(uninterrupted)
+    [next(iterator) for _ in range(2)]
+    resumed = make_resumable(DataLoader(Noisy(), batch_size=3, num_workers=1), None)
+    setattr(resumed, PLAN_ATTR, {"epoch": 0, "stream": uninterrupted._ldet_position.at(2)})
+    with pytest.warns(DeterminismWarning, match="no position of the other ranks: the interrupted epoch .* restarts"):
+        assert len(samples(resumed)) == 24
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_rest_of_an_epoch_is_dealt_to_ranks_and_workers_with_as_many_batches_on_every_rank(world, batch, drop_last):
+    """Every item once; every rank the same number of batches; an item repeated only when no split can do without."""
+    for count in range(0, 3 * world * batch + 2):
+        per_rank = []
+        for rank in range(world):
+            dealt = []
+            for worker in range(2):
+                checks = Checks()
+                own = list(share(iter(range(count)), rank, Layout(world, 2, batch, drop_last), worker, checks))
+                dealt.append([own[i : i + batch] for i in range(0, len(own), batch)])
+            batches = [b for pair in itertools.zip_longest(*dealt) for b in pair if b]  # PyTorch's round-robin
+            per_rank.append([b for b in batches if len(b) == batch or not drop_last])
+        assert len({len(batches) for batches in per_rank}) == 1
+        taken = [i for batches in per_rank for b in batches for i in b]
+        impossible = count % world and (count // world) % batch == 0  # one rank more would open a batch alone
+        if drop_last:
+            assert len(taken) == len(set(taken)) and len(taken) >= count - count % world - world * (batch - 1)
+        elif impossible:
+            assert set(taken) == set(range(count)) and len(taken) == count + world - count % world
+        else:
+            assert sorted(taken) == list(range(count))
+
+
+def test_an_old_stream_runs_with_the_identity_it_had():
+    seen = []
+
+    class Reporter(IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            seen.append((dist.get_rank(), dist.get_world_size(), os.environ["RANK"], info.id, info.num_workers))
+            yield torch.rand(())
+
+    positions = [{"workers": 3, "num_workers": 3, "items": [0, 0, 0], "digests": [0] * 3, "states": [None] * 3}] * 2
+    stream = OldStream(Reporter(), 5, 0, Grid(positions), 1, 2)
+    assert torch.equal(next(stream), next(OldStream(Reporter(), 5, 0, Grid(positions), 1, 2)))  # its own seed
+    assert seen[0] == (1, 2, "1", 2, 3) and torch.utils.data.get_worker_info() is None and not dist.is_initialized()

@@ -125,6 +125,7 @@ class RNGStateCheckpoint(Callback):
             self._elastic_resume(trainer, saved, checkpoint, invariant)
             return
         data = ranks[trainer.global_rank].get("data") if same_world else _own_positions(ranks[0].get("data"))
+        data = _with_grids(data, ranks)
         if (data is None or None in data) and _mid_epoch(checkpoint):
             why = (
                 f"was written by {world_size} ranks and is resumed on {trainer.world_size}"
@@ -217,14 +218,34 @@ class RNGStateCheckpoint(Callback):
 
 
 def _own_positions(saved: list[dict[str, Any]] | None) -> list[dict[str, Any] | None] | None:
-    """On another world size, the positions of loaders that restripe themselves (litdata); ``None`` for the others.
+    """On another world size, the positions of loaders that continue an interrupted epoch there; ``None`` for others.
 
     litdata's ``load_state_dict`` recognises a changed topology and continues the epoch's global order on the new
-    grid ("elastic restripe"); every other loader restarts an interrupted epoch (with the warning).
+    grid ("elastic restripe"); a converted stream deals the rest of the old grid's epoch (``data.elastic_streams``,
+    from every rank's position: :func:`_with_grids`); every other loader restarts an interrupted epoch (warned).
     """
     if not saved:
         return None
-    return [entry if "loader_state" in entry or "loader_epoch" in entry else None for entry in saved]
+    keep = ("loader_state", "loader_epoch", "stream")
+    return [entry if any(key in entry for key in keep) else None for entry in saved]
+
+
+def _with_grids(data: list[Any] | None, ranks: list[dict[str, Any]]) -> list[Any] | None:
+    """Each stream's entry gains every rank's position of that loader (``"grid"``; ``None`` if one is missing)."""
+    if not data:
+        return data
+    out = []
+    for slot, entry in enumerate(data):
+        if entry is None or entry.get("stream") is None:
+            out.append(entry)
+            continue
+        grid = []
+        for rank in ranks:
+            theirs = (rank.get("data") or [])[slot:]
+            if theirs and theirs[0] and theirs[0].get("stream") and theirs[0]["epoch"] == entry["epoch"]:
+                grid.append(theirs[0]["stream"])
+        out.append({**entry, "grid": grid if len(grid) == len(ranks) else None})
+    return out
 
 
 def _warn_about_streams(data: list[Any] | None, same_world: bool, old: int, new: int) -> None:

@@ -219,7 +219,8 @@ class ResumableLoaderMixin:
             return create_stream_iterator(self, trainer, epoch, None, create)  # type: ignore[no-any-return]
         now = self._ldet_snapshot(True)  # what creating the iterator draws, the uninterrupted run drew at epoch start
         try:
-            return create_stream_iterator(self, trainer, epoch, resume.get("stream"), create)  # type: ignore[no-any-return]
+            stream, grid = resume.get("stream"), resume.get("grid")
+            return create_stream_iterator(self, trainer, epoch, stream, create, grid)  # type: ignore[no-any-return]
         finally:
             self._ldet_restore(now)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_determinism.data.elastic_streams import LAYOUT, is_hf, layout_of
 from lightning_determinism.data.streams import (
     IsolatedStreams,
     StreamIterator,
@@ -53,47 +54,84 @@ def _standing_in(loader: Any, proxy: StreamProxy, collate: TagCollate) -> Iterat
         loader.collate_fn = collate_fn
 
 
-def _resume_plan(loader: Any, plan: StreamPlan, epoch: int, saved: dict[str, Any] | None, workers: int) -> int:
-    """Load ``saved`` (a position from a checkpoint) into ``plan``; returns the worker whose batch comes first."""
-    plan.resume_epoch, plan.resume = -1, {}
+def _resume_plan(
+    loader: Any, plan: StreamPlan, epoch: int, saved: dict[str, Any] | None, grid: list[dict[str, Any]] | None
+) -> tuple[int, dict[str, Any] | None]:
+    """Load ``saved`` (this rank's position from a checkpoint; ``grid``: every rank's) into ``plan``.
+
+    Returns the worker whose batch comes first and the position to count on from (``None``: a fresh count).
+    """
+    plan.resume_epoch, plan.resume, plan.elastic = -1, {}, None
     if saved is None:
-        return 0
-    if int(saved["workers"]) != workers:
+        return 0, None
+    workers = max(1, int(loader.num_workers))
+    before = {**plan.layout, **{key: saved[key] for key in LAYOUT if key in saved}, "workers": int(saved["workers"])}
+    if grid is not None:
+        before["world"] = len(grid)
+    if before == {**plan.layout, "workers": workers}:  # the same grid: continue each worker's stream
+        plan.resume_epoch = epoch
+        plan.resume = {
+            w: {"items": int(saved["items"][w]), "digest": int(saved["digests"][w]), "state": saved["states"][w]}
+            for w in range(workers)
+        }
+        plan.elastic = saved.get("origin")  # the epoch was itself the rest of an earlier grid's
+        return (int(saved["last_worker"]) + 1) % workers, saved
+    name = type(loader.dataset).__name__
+    now = plan.layout
+    changed = ", ".join(f"{key} {before[key]} -> {now[key]}" for key in LAYOUT if before[key] != now[key])
+    if grid is None or is_hf(loader.dataset):
+        why = "takes its node's shard when it is built" if grid is not None else "has no position of the other ranks"
         warnings.warn(
-            f"The position of `{type(loader.dataset).__name__}` was saved with {saved['workers']} stream(s) per rank"
-            f" (num_workers) and the loader now has {workers}: the interrupted epoch of this stream restarts at its"
-            " first sample, so samples already trained on in it are seen again.",
+            f"The position of `{name}` was saved on another grid ({changed or 'workers'}) and the checkpoint {why}:"
+            " the interrupted epoch of this stream restarts at its first sample, so samples already trained on in it"
+            " are seen again.",
             DeterminismWarning,
             stacklevel=2,
         )
-        return 0
+        return 0, None
+    warnings.warn(
+        f"`{name}` resumes on another grid ({changed}): the rest of the interrupted epoch is every sample it had not"
+        " delivered, each once and with its own content bit for bit, but in other batches, so the run is not the"
+        " uninterrupted one (docs/streaming.md, elastic resume).",
+        DeterminismWarning,
+        stacklevel=2,
+    )
     plan.resume_epoch = epoch
-    plan.resume = {
-        w: {"items": int(saved["items"][w]), "digest": int(saved["digests"][w]), "state": saved["states"][w]}
-        for w in range(workers)
-    }
-    return (int(saved["last_worker"]) + 1) % workers
+    plan.resume = {w: {"items": 0, "digest": 0, "state": None} for w in range(workers)}
+    plan.elastic = grid
+    return 0, None
 
 
-def create_stream_iterator(loader: Any, trainer: Any, epoch: int, saved: dict[str, Any] | None, create: Any) -> Any:
+def _world(trainer: Any) -> int:
+    if trainer is not None:
+        return int(trainer.world_size)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def create_stream_iterator(
+    loader: Any, trainer: Any, epoch: int, saved: dict[str, Any] | None, create: Any, grid: list[Any] | None = None
+) -> Any:
     """The iterator of a converted stream loader for ``epoch``, resuming at ``saved`` (a position) when given.
+
+    ``grid``: every rank's saved position, when the checkpoint had them: a resume on another grid continues the
+    interrupted epoch there (:mod:`~lightning_determinism.data.elastic_streams`).
 
     ``create()`` builds PyTorch's iterator the way the loader does for map-style data (saved RNG states, fork
     safety); here it runs with the proxy and the tagging collate function standing in.
     """
     plan = stream_plan(loader, trainer)
     plan.epoch.fill_(epoch)
+    plan.layout = layout_of(loader, _world(trainer))
     workers = max(1, int(loader.num_workers))
-    first = _resume_plan(loader, plan, epoch, saved, workers)
+    first, keep = _resume_plan(loader, plan, epoch, saved, grid)
     isolated = loader._ldet_isolated if int(loader.num_workers) == 0 else None
     proxy = StreamProxy(loader.dataset, plan, loader.batch_sampler is not None, isolated)
     collate = TagCollate(loader.collate_fn, plan.token, loader.batch_sampler is not None)
     with _standing_in(loader, proxy, collate):
         inner = create()
-    keep = saved if plan.resume else None
-    position = StreamPosition(workers, keep)
+    position = StreamPosition(workers, keep, {**plan.layout, "origin": plan.elastic})
     loader._ldet_position = position
-    return _Warning(StreamIterator(inner, position, first if keep else 0, isolated), loader)
+    return _Warning(StreamIterator(inner, position, first, isolated), loader)
 
 
 class _Warning:
@@ -101,7 +139,7 @@ class _Warning:
 
     def __init__(self, inner: StreamIterator, loader: Any) -> None:
         self.inner, self.name, self.loader = inner, type(loader.dataset).__name__, loader
-        self._warned = False
+        self._warned = self._padded = False
         loader._ldet_epoch_done = False
 
     def __iter__(self) -> _Warning:
@@ -113,6 +151,14 @@ class _Warning:
         except StopIteration:
             self.loader._ldet_epoch_done = True
             raise
+        if self.inner.padded and not self._padded:
+            self._padded = True
+            warnings.warn(
+                f"Resumed on another grid, `{self.name}` had fewer samples left for its last batch than there are"
+                f" ranks: this rank repeats {self.inner.padded} of them so that every rank has as many batches.",
+                DeterminismWarning,
+                stacklevel=2,
+            )
         if self.inner.replay_failures and not self._warned:
             self._warned = True
             warnings.warn(

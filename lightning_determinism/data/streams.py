@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_determinism._compat_data import hf_shuffles
-from lightning_determinism.data._index_skip import consume
+from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, elastic_items, skip_delivered
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 from lightning_determinism.seeding import derive_seed
 
@@ -92,19 +92,37 @@ def item_digest(item: Any) -> int:
     return crc
 
 
+def stream_seed(base: int, rank: int, worker: int, epoch: int) -> int:
+    """The seed of (``rank``, ``worker``)'s stream in ``epoch``."""
+    return derive_seed(base, rank, "stream", worker, epoch)
+
+
+def seed_stream(seed: int, dataset: Any, epoch: int) -> None:
+    """Seed python, numpy and torch's CPU stream with ``seed`` and tell the dataset its epoch (``set_epoch``)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    set_epoch = getattr(dataset, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
 class StreamPlan:
     """What every copy of a stream's dataset needs: seeds, the shared epoch and, for one epoch, where to resume.
 
     ``resume`` maps a worker to ``{"items": n, "digest": d, "state": s}``: its delivered items, the digest of the
-    last one and, with the state protocol, ``{"dataset": ..., "rng": ...}`` after it.
+    last one and, with the state protocol, ``{"dataset": ..., "rng": ...}`` after it. ``elastic`` (the positions of
+    every rank of an earlier grid) makes the resumed epoch the rest of that grid's epoch (:mod:`.elastic_streams`).
     """
 
     def __init__(self, base_seed: int, rank: int) -> None:
         self.token = uuid.uuid4().hex
         self.base_seed, self.rank = int(base_seed), int(rank)
+        self.layout: dict[str, Any] = {}  # the loader's grid (elastic_streams.layout_of), set at each iterator
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.resume_epoch = -1
         self.resume: dict[int, dict[str, Any]] = {}
+        self.elastic: list[dict[str, Any]] | None = None
 
 
 class StreamProxy(IterableDataset):  # type: ignore[type-arg]
@@ -125,57 +143,57 @@ class StreamProxy(IterableDataset):  # type: ignore[type-arg]
         epoch = int(self.plan.epoch)
         context = self.isolated.active() if info is None and self.isolated is not None else contextlib.nullcontext()
         with context:
-            seed = derive_seed(self.plan.base_seed, self.plan.rank, "stream", worker, epoch)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.default_generator.manual_seed(seed)
-            set_epoch = getattr(self.dataset, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
+            seed_stream(stream_seed(self.plan.base_seed, self.plan.rank, worker, epoch), self.dataset, epoch)
             resume = None
             if epoch == self.plan.resume_epoch and epoch not in self._resumed:
                 self._resumed.add(epoch)
                 resume = self.plan.resume.get(worker)
-            replay_ok: bool | None = None
-            if resume is not None and resume.get("state") is not None and self.stateful:
+            checks = Checks()
+            elastic = resume is not None and self.plan.elastic is not None
+            if elastic:  # the rest of an earlier grid's epoch (a replay: no state travels with its batches)
+                layout = self.plan.layout
+                here = Layout(layout["world"], max(1, info.num_workers if info else 0), layout["batch_size"] or 1,
+                              layout["drop_last"])  # fmt: skip
+                grid = Grid(self.plan.elastic)  # type: ignore[arg-type]
+                items = elastic_items(self.dataset, self.plan.base_seed, epoch, grid, self.plan.rank, here, worker,
+                                      checks)  # fmt: skip
+                iterator = skip_delivered(items, int(resume["items"]), int(resume["digest"]), checks)  # type: ignore[index]
+            elif resume is not None and resume.get("state") is not None and self.stateful:
                 self.dataset.load_state_dict(resume["state"]["dataset"])
                 iterator = iter(self.dataset)
                 restore_cpu_streams(resume["state"]["rng"])
             else:
                 iterator = iter(self.dataset)
-                if resume is not None and int(resume["items"]) > 0:
-                    consume(iterator, int(resume["items"]) - 1)
-                    last = next(iterator, _END)
-                    replay_ok = last is not _END and item_digest(last) == int(resume["digest"])
-        _ACTIVE[self.plan.token] = (worker, self.dataset, self.stateful)
-        if replay_ok is not None:
-            _REPLAY_CHECKS[self.plan.token] = replay_ok
+                if resume is not None:
+                    skip_delivered(iterator, int(resume["items"]), int(resume["digest"]), checks)
+        _ACTIVE[self.plan.token] = (worker, self.dataset, self.stateful and not elastic)
+        if resume is not None:
+            _REPLAY_CHECKS[self.plan.token] = (checks.replay_ok, checks.padded)
         return iterator
 
 
-_END = object()
-_REPLAY_CHECKS: dict[str, bool] = {}
-"""Per process: the outcome of a replay's digest check, sent with the worker's next batch."""
+_REPLAY_CHECKS: dict[str, tuple[bool, int]] = {}
+"""Per process: a resume's outcome (the replay's digest check, items repeated for DDP), sent with the next batch."""
 
 
 class Tagged:
     """A batch on its way from a worker, with what the main process needs to know about it."""
 
-    __slots__ = ("data", "digest", "items", "replay_ok", "state", "worker")
+    __slots__ = ("checks", "data", "digest", "items", "state", "worker")
 
-    def __init__(self, worker: int, items: int, digest: int, state: Any, replay_ok: bool | None, data: Any) -> None:
-        self.worker, self.items, self.digest, self.state, self.replay_ok, self.data = (
+    def __init__(self, worker: int, items: int, digest: int, state: Any, checks: tuple[bool, int] | None, data: Any):
+        self.worker, self.items, self.digest, self.state, self.checks, self.data = (
             worker,
             items,
             digest,
             state,
-            replay_ok,
+            checks,
             data,
         )
 
     def pin_memory(self) -> Tagged:
         """Pin the batch, not the tag (PyTorch's pin-memory thread calls this)."""
-        return Tagged(self.worker, self.items, self.digest, self.state, self.replay_ok, _pinned(self.data))
+        return Tagged(self.worker, self.items, self.digest, self.state, self.checks, _pinned(self.data))
 
 
 def _pinned(data: Any) -> Any:
@@ -233,8 +251,9 @@ class IsolatedStreams:
 class StreamPosition:
     """Per worker, what the training loop consumed of one epoch's stream, taken back over batches fetched ahead."""
 
-    def __init__(self, workers: int, saved: dict[str, Any] | None = None) -> None:
+    def __init__(self, workers: int, saved: dict[str, Any] | None = None, layout: dict[str, Any] | None = None) -> None:
         self.workers = workers
+        self.layout = layout or {}  # the grid (elastic_streams.LAYOUT) and the earlier grid it deals from, if any
         saved = saved or {}
         self.items = [int(n) for n in saved.get("items", [0] * workers)]
         self.digests = [int(d) for d in saved.get("digests", [0] * workers)]
@@ -264,6 +283,7 @@ class StreamPosition:
             items[w] -= count
             digests[w], states[w], last = digest, state, previous
         return {
+            **self.layout,
             "workers": self.workers,
             "items": items,
             "digests": digests,
@@ -293,6 +313,7 @@ class StreamIterator:
         self._done = [False] * self.workers
         self._exhausted_inner = False
         self.replay_failures: list[int] = []
+        self.padded = 0  # items repeated so that every rank has as many batches (elastic resume)
 
     def __iter__(self) -> StreamIterator:
         return self
@@ -311,8 +332,10 @@ class StreamIterator:
             return None
         if not isinstance(tag, Tagged):
             raise TypeError(f"a converted stream loader produced an untagged batch: {type(tag).__name__}")
-        if tag.replay_ok is False:
-            self.replay_failures.append(tag.worker)
+        if tag.checks is not None:
+            if not tag.checks[0]:
+                self.replay_failures.append(tag.worker)
+            self.padded += tag.checks[1]
         return tag
 
     def __next__(self) -> Any:

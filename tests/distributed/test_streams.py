@@ -36,8 +36,23 @@ N = 64  # samples per epoch (stream_run.N), batches of 4
 # round-robin stands at worker 1) and at the first; 8 ends an epoch on 2 ranks, 16 on 1 rank (Lightning does not reset
 # its batch counter for the next epoch of a stream: 21 is resumed from the run resumed at 16).
 BASE = [
-    {"name": "plain-workers", "source": "plain", "workers": 2, "chain": [3, 5, 11]},
-    {"name": "state-persistent", "source": "plain-state", "workers": 2, "persist": True, "chain": [3, 8]},
+    {
+        "name": "plain-workers",
+        "source": "plain",
+        "workers": 2,
+        "chain": [3, 5, 11],
+        # other grids: [ranks, step, num_workers]; then a resumed one resumed again: [run, ranks, step, num_workers]
+        "elastic": [[1, 3, 0], [4, 5], [2, 3, 1]],
+        "elastic_again": [["elastic1w0", 1, 6, 0], ["elastic4", 1, 6]],
+    },
+    {
+        "name": "state-persistent",
+        "source": "plain-state",
+        "workers": 2,
+        "persist": True,
+        "chain": [3, 8],
+        "elastic": [[1, 5]],
+    },
     {"name": "plain-1-rank-in-process", "source": "plain", "devices": 1, "workers": 0, "chain": [16, 21]},
 ]
 OPTIONAL = {
@@ -175,3 +190,51 @@ def test_a_fabric_loop_saved_mid_epoch_resumes_at_the_next_sample(fabric_runs, s
     straight = result(fabric_runs / source / "straight")
     assert straight["global_step"] == 16
     assert_continues(straight, result(fabric_runs / source / "chain" / "r1"), 3)
+
+
+# A stream resumed on another grid: (config, run, [(run it continues, up to step), ...]) -- the runs whose steps
+# come before it in the interrupted epoch.
+ELASTIC = [
+    ("plain-workers", "elastic1w0", [("straight", 3)]),  # 2 ranks x 2 workers -> 1 rank, no workers
+    ("plain-workers", "elastic4", [("straight", 5)]),  # -> 4 ranks x 2 workers
+    ("plain-workers", "elastic2w1", [("straight", 3)]),  # the same ranks, 1 worker each
+    ("plain-workers", "elastic4-1at6", [("straight", 5), ("elastic4", 6)]),  # resumed on a third grid
+    ("state-persistent", "elastic1", [("straight", 5)]),  # the state protocol's positions, played elsewhere
+]
+
+
+def _samples(run: dict, steps: list[int]) -> list[tuple[int, int]]:
+    """(id, content digest) of every sample the run trained on at ``steps``, rank by rank."""
+    records = [run["steps"][str(step)] for step in steps]
+    ranks = [zip(ids, crcs, strict=True) for r in records for ids, crcs in zip(r["ids"], r["crc"], strict=True)]
+    return [pair for rank in ranks for pair in rank]
+
+
+@pytest.mark.parametrize(("name", "run", "lineage"), ELASTIC, ids=[f"{c}-{r}" for c, r, _ in ELASTIC])
+def test_a_stream_resumed_on_another_grid_trains_each_remaining_sample_once_with_its_own_bits(runs, name, run, lineage):
+    root = runs[0] / name
+    straight = result(root / "straight")
+    per_epoch = steps_per_epoch({})
+    first_epoch = dict(_samples(straight, list(range(1, per_epoch + 1))))  # id -> the bits of its content
+    before: list[tuple[int, int]] = []
+    start = 0
+    for source, upto in lineage:
+        before += _samples(result(root / source), list(range(start + 1, upto + 1)))
+        start = upto
+    resumed = result(root / run)
+    steps = sorted(int(step) for step in resumed["steps"])
+    assert steps[0] == start + 1 and steps[-1] == resumed["global_step"]
+    rest, step = [], start
+    while len(before) + len(rest) < N:  # the interrupted epoch, on the new grid
+        step += 1
+        rest += _samples(resumed, [step])
+    assert sorted(i for i, _ in before + rest) == list(range(N))  # none repeated, none skipped
+    assert all(first_epoch[i] == crc for i, crc in rest)  # each sample bit for bit (its worker-drawn noise too)
+    following = _samples(resumed, [s for s in steps if s > step])
+    assert sorted(i for i, _ in following) == list(range(N))  # the next epoch, on the new grid: whole
+    assert "resumes on another grid" in " ".join(runs[1].split())
+
+
+def test_an_epoch_resumed_on_another_grid_resumes_bitwise_on_that_grid(runs):
+    root = runs[0] / "plain-workers"
+    assert_continues(result(root / "elastic1w0"), result(root / "elastic1w0-1at6"), 6)

@@ -1,6 +1,8 @@
 """Phases of the streaming resume tests, each in its own process.
 
 python stream_run.py configs OUT JSON      # for each config of the JSON list: straight, chain and elastic runs
+                                           # (elastic: [devices, step, workers?] resume straight/ on another grid;
+                                           # elastic_again: [run, devices, step, workers?] resume that run again)
 python stream_run.py straight OUT          # the whole run, a checkpoint after every step: OUT/step=K.ckpt
 python stream_run.py elastic OUT K         # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
 python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1 (checkpointing every step), then
@@ -18,6 +20,7 @@ import json
 import multiprocessing
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -138,10 +141,13 @@ class Net(L.LightningModule):
         x = batch["x"].float()
         loss = self.net(x).square().mean()
         ids = batch["id"].reshape(-1).long()
-        gathered = self.all_gather(ids) if self.trainer.world_size > 1 else ids[None]
+        crcs = torch.tensor([zlib.crc32(row.numpy().tobytes()) for row in batch["x"].detach()], dtype=torch.int64)
+        both = torch.stack([ids, crcs])  # every rank's sample ids and the bits of each sample's content
+        gathered = self.all_gather(both) if self.trainer.world_size > 1 else both[None]
         synced = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
         step = int(self.trainer.global_step) + 1
-        self.steps[step] = {"ids": gathered.tolist(), "loss": float(synced).hex()}
+        record = {"ids": gathered[:, 0].tolist(), "crc": gathered[:, 1].tolist(), "loss": float(synced).hex()}
+        self.steps[step] = record
         return loss
 
     def train_dataloader(self):
@@ -222,9 +228,16 @@ def run_configs(out: Path, configs: list[dict]) -> None:
         for n, k in enumerate(config.get("chain", []), start=1):
             fit(root / "chain" / f"r{n}", source / f"step={k}.ckpt")
             source = root / "chain" / f"r{n}"
-        for devices, k in config.get("elastic", []):
-            configure({**config, "devices": devices})
-            fit(root / f"elastic{devices}", root / "straight" / f"step={k}.ckpt")
+        for devices, k, *workers in config.get("elastic", []):  # another world size (and num_workers)
+            configure({**config, "devices": devices, "workers": workers[0] if workers else config.get("workers", 2)})
+            fit(root / elastic_name(devices, workers), root / "straight" / f"step={k}.ckpt")
+        for name, devices, k, *workers in config.get("elastic_again", []):  # a run resumed elastically, again
+            configure({**config, "devices": devices, "workers": workers[0] if workers else config.get("workers", 2)})
+            fit(root / f"{name}-{devices}at{k}", root / name / f"step={k}.ckpt")
+
+
+def elastic_name(devices: int, workers: list[int]) -> str:
+    return f"elastic{devices}" + (f"w{workers[0]}" if workers else "")
 
 
 if __name__ == "__main__":
