@@ -24,7 +24,13 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
-from lightning_determinism._compat import accelerator_connector, module_trainer, set_sampler_epoch, swap_launcher
+from lightning_determinism._compat import (
+    accelerator_connector,
+    ddp_comm_hook,
+    module_trainer,
+    set_sampler_epoch,
+    swap_launcher,
+)
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
@@ -33,6 +39,7 @@ from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
+from lightning_determinism.tree import PairwiseAllReduce
 
 
 class DeterministicStrategyMixin(SeedingProperties):
@@ -232,6 +239,10 @@ class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         if self.invariant is None:
             super()._register_ddp_hooks()
+            if self.world_size > 2 and ddp_comm_hook(self) is None:
+                # Sums that do not depend on DDP's bucket layout, which a resumed run rebuilds (see the hook).
+                hook = PairwiseAllReduce(self.world_size, self.global_rank)
+                self.model.register_comm_hook(None, hook.reduce)  # type: ignore[union-attr,operator]
             return
         # The invariant mode sums gradients itself, over a fixed tree: DDP's float all-reduce must not run.
         self.model.register_comm_hook(None, keep_local_gradients)  # type: ignore[union-attr,operator]

@@ -259,4 +259,51 @@ class GradientTree:
         self.added = 0
 
 
-__all__ = ["GradientTree", "pair_groups", "tree_sum"]
+class PairwiseAllReduce:
+    """A DDP communication hook whose sums do not depend on where a gradient sits in its bucket.
+
+    A ring all-reduce over more than two processes adds each element's ``W`` terms in an order set by the chunk of the
+    flat bucket the element falls in; DDP rebuilds its buckets after the first step of every run (in the order the
+    gradients became ready), so the first steps of a resumed run put gradients elsewhere than the uninterrupted run,
+    and their sums differ in the last bits. Here every bucket climbs the tree of :func:`pair_groups` instead (a
+    power-of-two ``W``; a single addition per element and level): ``(g0 + g1) + (g2 + g3)`` wherever it sits. Other
+    process counts gather every process's bucket and add them in rank order. Each bucket is divided by ``W`` first, as
+    DDP's default hook does.
+
+    Args:
+        world_size: the number of processes (more than two: with two, DDP's own sum is one addition already).
+        rank: this process's rank.
+    """
+
+    def __init__(self, world_size: int, rank: int) -> None:
+        self.world_size, self.rank = world_size, rank
+        self.power_of_two = world_size & (world_size - 1) == 0
+        self.levels = pair_groups(world_size) if self.power_of_two else []
+
+    def reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Reduce ``bucket`` in place (blocking: each level waits for the one below)."""
+        buffer = bucket.buffer()
+        buffer.div_(self.world_size)
+        if self.power_of_two:
+            for groups in self.levels:
+                dist.all_reduce(buffer, group=groups[self.rank])  # type: ignore[arg-type]
+        else:
+            parts = [torch.empty_like(buffer) for _ in range(self.world_size)]
+            dist.all_gather(parts, buffer)
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total.add_(part)
+            buffer.copy_(total)
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+
+# DDP checks a hook's annotations as objects; this module's annotations are strings (postponed evaluation).
+PairwiseAllReduce.reduce.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+__all__ = ["GradientTree", "PairwiseAllReduce", "pair_groups", "tree_sum"]
