@@ -15,8 +15,11 @@ resumable instead (its class becomes a subclass of its own with the methods of :
   sample is read, then puts back the RNG states restored from the checkpoint, so everything after continues as in
   the uninterrupted run.
 
-Randomness drawn inside data-loader workers lives in processes that cannot be checkpointed: bitwise resumes with
-``num_workers > 0`` need :class:`~lightning_determinism.WorkerSeedCallback` ``(per_sample=True)``.
+Randomness drawn inside data-loader workers lives in processes that cannot be checkpointed: with ``num_workers > 0``
+the workers of a resumed iterator take over the roles of the uninterrupted run's and replay their earlier fetches
+(:mod:`~lightning_determinism.data._worker_replay`), unless :class:`~lightning_determinism.WorkerSeedCallback`
+``(per_sample=True)`` seeds every sample by its index (no replay needed). Persistent workers past their first epoch
+carry their states over from the epochs before: warned.
 
 Every loader the strategies process (evaluation loaders too) also survives CPython's fork deadlock gh-112275
 (:mod:`~lightning_determinism.data._worker_start`).
@@ -35,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_determinism._compat import set_sampler_epoch
 from lightning_determinism._compat_data import base_index_sampler, loader_iterator
 from lightning_determinism.data._index_skip import SkipOnce, prime
+from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
 from lightning_determinism.data.positions import current_epoch, is_converted, take_resume
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
@@ -170,25 +174,42 @@ class ResumableLoaderMixin:
             finally:
                 self._ldet_skip = None
                 self._ldet_skip_sampler = None
-        _warn_if_not_bitwise(self)
         now = self._ldet_snapshot(True)
         self._ldet_restore(start)
         self._ldet_epoch_start = start
+        replay = self._ldet_worker_replay(start, skip, parent_iter)  # restores `start` again after its draws
         self._ldet_skip = skip
         generator: Any = getattr(self, "generator", None)
         if not start.get("fresh", 1):
             # The original epoch reset persistent workers (no worker-seed draw); this fresh iterator draws one:
             # let a throwaway generator take it, so the sampler's draw sees the saved state.
             self.generator = torch.Generator()
+        init = self.worker_init_fn  # type: ignore[attr-defined,has-type]
+        if replay is not None:
+            self.worker_init_fn = RoleWorkerInit(init, replay)
         try:
             iterator = create()
             prime(iterator)
             return iterator  # type: ignore[no-any-return]
         finally:
+            self.worker_init_fn = init
             self.generator = generator
             self._ldet_skip = None
             self._ldet_skip_sampler = None
             self._ldet_restore(now)
+
+    def _ldet_worker_replay(self, start: dict[str, Any], skip: int, create_single: Any) -> WorkerReplay | None:
+        """With workers and no per-sample seeds: the replay that gives each worker its role (``_worker_replay``)."""
+        workers = int(getattr(self, "num_workers", 0))
+        getitems = getattr(getattr(self, "dataset", None), "__getitems__", None)
+        if not workers or not skip or getattr(getitems, "ldet_per_sample", False):
+            return None  # nothing drawn in workers, nothing consumed, or every sample seeded by its index
+        if not start.get("fresh", 1) or (getattr(self, "persistent_workers", False) and skip % workers):
+            _warn_if_not_bitwise(self)  # persistent workers: their states carry over from the epochs before
+            return None
+        batches = consumed_indices(self, create_single, skip)
+        self._ldet_restore(start)
+        return WorkerReplay(skip, workers, batches, self.collate_fn, self.batch_sampler is not None)  # type: ignore[attr-defined]
 
     def _ldet_create_stream(self, trainer: Any, resume: dict[str, Any] | None, create: Any) -> Iterator[Any]:
         """An iterable dataset's iterator (see :mod:`~lightning_determinism.data.streams`).
@@ -233,15 +254,13 @@ def _loader_epoch(loader: Any, trainer: Any) -> int:
 
 
 def _warn_if_not_bitwise(loader: Any) -> None:
-    getitems = getattr(getattr(loader, "dataset", None), "__getitems__", None)
-    if getattr(loader, "num_workers", 0) > 0 and not getattr(getitems, "ldet_per_sample", False):
-        rank_zero_warn(
-            "Resuming mid-epoch with data-loader workers: randomness drawn inside the workers (augmentations) cannot"
-            " be restored, so the rest of the epoch may differ from the uninterrupted run. Use"
-            " WorkerSeedCallback(per_sample=True) to make every sample's randomness depend on (seed, epoch, index)"
-            " only.",
-            category=DeterminismWarning,
-        )
+    rank_zero_warn(
+        "Resuming mid-epoch with persistent data-loader workers: the randomness they draw (augmentations) carries"
+        " over from the epochs before and cannot be restored or replayed (past the first epoch, or with the next"
+        " worker's role shifted into the epochs after), so the run may differ from the uninterrupted one. Use"
+        " WorkerSeedCallback(per_sample=True) to make every sample's randomness depend on (seed, epoch, index) only.",
+        category=DeterminismWarning,
+    )
 
 
 _CLASSES: dict[type, type] = {}

@@ -52,7 +52,10 @@ class _SeedWorker:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        iterator_seed = torch.initial_seed() - worker_id  # PyTorch seeds worker w with iterator_seed + w
+        self.start_as(worker_id, torch.initial_seed() - worker_id)  # PyTorch seeds worker w with iterator_seed + w
+
+    def start_as(self, worker_id: int, iterator_seed: int) -> None:
+        """Seed this worker as worker ``worker_id`` of the iterator whose seed is ``iterator_seed``, then the user's."""
         _seed_streams(derive_seed(self.base_seed, self.rank, worker_id, iterator_seed))
         if self.user_fn is not None:
             self.user_fn(worker_id)  # after ours, so the user can still override

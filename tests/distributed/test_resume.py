@@ -1,5 +1,5 @@
 """Bitwise resume from any step: the uninterrupted run against runs resumed in a new process from its checkpoints
-(first, middle and last step of an epoch, the last step of the run), on 1 and 2 gloo ranks, with 0 and 2 workers
+(first, middle and last step of an epoch, the last step of the run), on 1, 2 and 4 gloo ranks, with 0 and 2 workers
 (per-sample seeding, persistent workers), OneCycleLR sized by `estimated_stepping_batches`; preemption by SIGTERM."""
 
 import json
@@ -23,7 +23,13 @@ SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 # name: (environment, checkpoints to resume from). 2 ranks: 3 steps per epoch, 9 in all; 1 rank: 6 and 18.
 CONFIGS = {
     "2-ranks-in-process-data": ({"DEVICES": "2", "WORKERS": "0"}, [4, 5, 6, 9]),
+    # More than two ranks: DDP's ring sums depend on the bucket layout, which the resumed run rebuilds (see
+    # tree.PairwiseAllReduce; without it the parameters differed in their last bits from the first resumed step).
+    "4-ranks-in-process-data": ({"DEVICES": "4", "WORKERS": "0"}, [3]),
     "2-ranks-persistent-workers": ({"DEVICES": "2", "WORKERS": "2", "PERSAMPLE": "1", "PERSIST": "1"}, [5, 6]),
+    # Per-worker seeds: the resumed workers take over the roles of the uninterrupted run's and replay their fetches
+    # (step 4: the next batch was worker 1's; step 5: worker 0's, after two batches each had drawn for).
+    "2-ranks-per-worker-seeds": ({"DEVICES": "2", "WORKERS": "2", "PERSAMPLE": "0"}, [4, 5]),
     "1-rank-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "1"}, [7, 9, 12, 18]),
     "1-rank-unshuffled-in-process-data": ({"DEVICES": "1", "WORKERS": "0", "SHUFFLE": "0"}, [3, 12]),
 }

@@ -7,9 +7,9 @@ python resume_run.py preempt OUT               # the whole run under PreemptionC
                                                # once every rank wrote OUT/ready<rank> at PREEMPT_AT_STEP, where
                                                # the ranks wait for the signal: no race with the end of the run
 
-Environment: DEVICES (1 or 2 gloo ranks, fork), WORKERS (0 or 2), SHUFFLE (1 or 0), PERSIST (persistent workers),
-PERSAMPLE (WorkerSeedCallback(per_sample=True); without it no WorkerSeedCallback), ACCUM (accumulate_grad_batches),
-EPOCHS.
+Environment: DEVICES (1, 2 or 4 gloo ranks, fork), WORKERS (0 or 2), SHUFFLE (1 or 0), PERSIST (persistent workers),
+PERSAMPLE (1: WorkerSeedCallback(per_sample=True), 0: per_sample=False; unset: no WorkerSeedCallback),
+ACCUM (accumulate_grad_batches), EPOCHS.
 Every run records, on rank 0, the synced training loss of every step and a fingerprint of the final parameters,
 optimizer and LR-scheduler state (OneCycleLR, sized by `trainer.estimated_stepping_batches`: Lightning issue #20550).
 """
@@ -123,8 +123,8 @@ def trainer(out: Path, callbacks: list[Callback]) -> L.Trainer:
         strategy = DeterministicDDPStrategy(seed=17, start_method="fork")
     else:
         strategy = DeterministicSingleDeviceStrategy(seed=17, device="cpu")
-    if os.environ.get("PERSAMPLE"):
-        callbacks = [WorkerSeedCallback(per_sample=True), *callbacks]
+    if os.environ.get("PERSAMPLE"):  # "1": per-sample seeds; "0": per-worker seeds (replayed on resume)
+        callbacks = [WorkerSeedCallback(per_sample=os.environ["PERSAMPLE"] == "1"), *callbacks]
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
