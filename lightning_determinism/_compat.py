@@ -180,6 +180,9 @@ PIECES: tuple[Piece, ...] = (
           and _assigns(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop", "batch_progress")()
           and {"ready", "started", "processed", "completed"}
           <= set(getattr(_lookup(f"{_PL}.loops.progress:_ProcessedTracker"), "__dataclass_fields__", {}))),
+    Piece("lightning DDPStrategy._ddp_comm_hook",
+          "a user's DDP communication hook replaces the strategy's layout-independent reduction on > 2 processes",
+          _assigns(f"{_PL}.strategies.ddp:DDPStrategy", "_ddp_comm_hook")),
     Piece("lightning.fabric.utilities.distributed._suggested_max_num_threads(num_processes)",
           "the intra-op threads Lightning gives each rank, to tell a forked rank that would hang in OpenMP",
           _exists("lightning.fabric.utilities.distributed:_suggested_max_num_threads", "num_processes")),
@@ -196,10 +199,13 @@ PIECES: tuple[Piece, ...] = (
           "workers stuck in CPython's fork deadlock (gh-112275) must be found and stopped",
           lambda: _assigns(f"{_DATA}:_MultiProcessingDataLoaderIter", "_workers", "_worker_pids_set")()
           and _exists(f"{_DATA}:_MultiProcessingDataLoaderIter._shutdown_workers")()),
-    Piece("torch.utils.data._utils.worker._worker_info, WorkerInfo(id, num_workers, seed, dataset)",
-          "a stream resumed on another grid plays the old workers' shards: get_worker_info() must name the old worker",
+    Piece("torch.utils.data._utils.worker._worker_info, WorkerInfo(id, num_workers, seed, dataset), "
+          "_generate_state(base_seed, worker_id)",
+          "a stream resumed on another grid plays the old workers' shards (get_worker_info() must name the old "
+          "worker); a resumed worker takes over another worker's role (seeded as torch seeds that worker's numpy)",
           lambda: hasattr(importlib.import_module("torch.utils.data._utils.worker"), "_worker_info")
-          and _exists("torch.utils.data._utils.worker:WorkerInfo", "id", "num_workers", "seed", "dataset")()),
+          and _exists("torch.utils.data._utils.worker:WorkerInfo", "id", "num_workers", "seed", "dataset")()
+          and _exists("torch.utils.data._utils.worker:_generate_state", "base_seed", "worker_id")()),
     Piece("torch._dynamo.decorators.mark_unbacked",
           "one compiled perplexity kernel for every batch size; torch.compile has no public equivalent",
           _exists("torch._dynamo.decorators:mark_unbacked")),
@@ -262,6 +268,11 @@ def accelerator_connector(trainer: Any) -> Any:
 def should_accumulate(trainer: Any) -> bool:
     """Whether the current batch only accumulates gradients (the optimizer does not step after it)."""
     return bool(_private(trainer.fit_loop, "_should_accumulate")())
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook a user gave Lightning's ``DDPStrategy`` (``None`` if none)."""
+    return _private(strategy, "_ddp_comm_hook")
 
 
 def combined_loader(trainer: Any) -> Any:

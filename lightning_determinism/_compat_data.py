@@ -65,6 +65,11 @@ def set_sampler_iter(iterator: Any, indices: Iterator[Any]) -> None:
     iterator._sampler_iter = indices
 
 
+def torch_worker_numpy_seed(base_seed: int, worker_id: int) -> Any:
+    """The numpy seed PyTorch's worker loop gives worker ``worker_id`` of an iterator with ``base_seed``."""
+    return _private(_worker_module, "_generate_state")(base_seed, worker_id)
+
+
 @contextlib.contextmanager
 def worker_info_as(worker: int, num_workers: int, seed: int, dataset: Any) -> Iterator[None]:
     """Within: ``get_worker_info()`` describes worker ``worker`` of ``num_workers`` (``None`` for 0 workers)."""
@@ -75,6 +80,69 @@ def worker_info_as(worker: int, num_workers: int, seed: int, dataset: Any) -> It
         yield
     finally:
         _worker_module._worker_info = before
+
+
+def litdata_exact_restripe(plans: Any) -> bool:
+    """Make litdata restripe a resumed epoch at the exact sample; ``False`` where its planner is not the known one.
+
+    litdata (0.2.76) rounds the position of an epoch resumed on another grid down to a whole global batch of the new
+    grid (``_round_down_drop_first``), so up to ``world_size * batch_size - 1`` samples are trained twice, because its
+    planner (``restripe_items``) deals whole batches to ranks. When the position is not such a multiple, ``plans``
+    (``(remaining, world_size, num_workers, batch_size, drop_last) -> one plan per global worker``) deals the rest
+    instead; every other call goes to litdata's own. Not checked at import (litdata is optional).
+    """
+    try:
+        import litdata.streaming.dataloader as dataloader
+        import litdata.streaming.dataset as dataset
+    except ImportError:
+        return False
+    original = getattr(dataset, "restripe_items", None)
+    if getattr(original, "ldet_exact", False):
+        return True
+    rounding = [module for module in (dataset, dataloader) if hasattr(module, "_round_down_drop_first")]
+    if original is None or len(rounding) != 2:
+        return False
+
+    def restripe(stream: Any, *, world_size: int, num_workers: int, batch_size: int, drop_first: int = 0,
+                 drop_last: bool = False, granularity: str = "item") -> Any:  # fmt: skip
+        stride = max(1, int(world_size)) * max(1, int(batch_size))
+        if granularity != "item" or int(drop_first) % stride == 0:
+            return original(stream, world_size=world_size, num_workers=num_workers, batch_size=batch_size,
+                            drop_first=drop_first, drop_last=drop_last, granularity=granularity)  # fmt: skip
+        return plans(list(stream[int(drop_first) :]), int(world_size), max(1, int(num_workers)), int(batch_size),
+                     bool(drop_last))  # fmt: skip
+
+    def keep_position(drop_first: int, world_size: int, batch_size: int) -> int:
+        return max(0, int(drop_first))  # restripe() rounds where litdata's own planner deals the rest
+
+    restripe.ldet_exact = True  # type: ignore[attr-defined]
+    dataset.restripe_items = restripe
+    for module in rounding:  # the workers' plans and the main process's count of the epoch's consumed samples
+        module._round_down_drop_first = keep_position
+    return True
+
+
+def litdata_state_for(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """A litdata loader state to load on this loader's grid.
+
+    On another grid litdata continues from the epoch's global count (``sample_in_epoch``) but still checks the old
+    grid's per-rank count against the new grid's shorter per-rank length, refusing a resume past it (2 ranks -> 4
+    after 5 of 8 batches: "num_samples_yielded ... greater than the dataset length"); that count is not used then.
+    """
+    inner = state.get("dataset")
+    if not isinstance(inner, dict) or "sample_in_epoch" not in inner:
+        return state
+    world = _world_size()
+    here = (world, int(loader.num_workers or 1), int(loader.batch_size or 1))
+    if (inner.get("world_size"), inner.get("num_workers"), inner.get("batch_size")) == here:
+        return state
+    return {**state, "dataset": {**inner, "num_samples_yielded": 0}}
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def hf_shuffles(dataset: Any) -> bool:
@@ -95,10 +163,13 @@ __all__ = [
     "drop_loader_iterator",
     "forget_worker_pids",
     "hf_shuffles",
+    "litdata_exact_restripe",
+    "litdata_state_for",
     "loader_iterator",
     "sampler_iter",
     "set_sampler_iter",
     "shutdown_workers",
+    "torch_worker_numpy_seed",
     "worker_info_as",
     "worker_processes",
 ]

@@ -126,6 +126,8 @@ class RNGStateCheckpoint(Callback):
             return
         data = ranks[trainer.global_rank].get("data") if same_world else _own_positions(ranks[0].get("data"))
         data = _with_grids(data, ranks)
+        if not same_world and any(entry is not None and "loader_state" in entry for entry in data or []):
+            data = _count_batches_anew(checkpoint, data)  # type: ignore[arg-type]
         if (data is None or None in data) and _mid_epoch(checkpoint):
             why = (
                 f"was written by {world_size} ranks and is resumed on {trainer.world_size}"
@@ -248,6 +250,23 @@ def _with_grids(data: list[Any] | None, ranks: list[dict[str, Any]]) -> list[Any
     return out
 
 
+def _count_batches_anew(checkpoint: dict[str, Any], data: list[Any]) -> list[Any]:
+    """A loader that restripes itself (litdata) on another world size: the loop counts the epoch's batches anew.
+
+    Lightning's batch counter holds the interrupted epoch's batches on the old grid, and the loop stops at the new
+    grid's length: the restriped remainder was cut short (samples skipped). Counted from 0 (the offset of a checkpoint
+    written at a batch's end kept), the loop runs until the loader's remainder is exhausted.
+    """
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    current = progress.get("current")
+    if current and _mid_epoch(checkpoint):
+        done = int(current.get("processed", 0))
+        for key in ("ready", "started", "processed", "completed"):
+            current[key] = int(current.get(key, 0)) - done
+    fresh = {"batches": 0, "elastic": True, "origin": None}
+    return [{**entry, **fresh} if entry is not None and "loader_state" in entry else entry for entry in data]
+
+
 def _warn_about_streams(data: list[Any] | None, same_world: bool, old: int, new: int) -> None:
     """Say what a resume does to training loaders that cannot continue at their exact sample."""
     for entry in data or []:
@@ -263,10 +282,10 @@ def _warn_about_streams(data: list[Any] | None, same_world: bool, old: int, new:
             )
         elif not same_world and "loader_state" in entry:
             rank_zero_warn(
-                f"The stream's position was saved on {old} ranks and is resumed on {new}: the loader restripes its"
-                " own state (litdata's elastic resume). Measured with litdata 0.2.76: exact from 2 ranks to 1; to"
-                " more ranks it rounds the position down to whole global batches (up to ranks x batch_size - 1"
-                " samples again) and Lightning still counts the interrupted epoch's batches on the old grid.",
+                f"The stream's position was saved on {old} ranks and is resumed on {new}: litdata restripes the rest"
+                " of the epoch over the new grid, each remaining sample once (dealt at the exact sample by the"
+                " deterministic strategies), in other batches: the run is not the uninterrupted one"
+                " (docs/streaming.md, elastic resume).",
                 category=DeterminismWarning,
             )
 

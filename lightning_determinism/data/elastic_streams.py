@@ -232,6 +232,21 @@ def elastic_items(dataset: Any, base: int, epoch: int, grid: Grid, rank: int, he
     return share(remaining(dataset, base, epoch, grid, checks), rank, here, worker, checks)
 
 
+def exact_plans(remaining: list[Any], world: int, workers: int, batch: int, drop_last: bool) -> list[list[Any]]:
+    """Litdata's per-worker plans (``(chunk, [items])`` visits) for the rest of an epoch, dealt as :func:`share`."""
+    plans = []
+    for rank in range(world):
+        for worker in range(workers):
+            visits: list[tuple[int, list[int]]] = []
+            for chunk, item in share(iter(remaining), rank, Layout(world, workers, batch, drop_last), worker, Checks()):
+                if visits and visits[-1][0] == chunk:
+                    visits[-1][1].append(item)
+                else:
+                    visits.append((chunk, [item]))
+            plans.append(visits)
+    return plans
+
+
 def layout_of(loader: Any, world: int) -> dict[str, Any]:
     """A converted stream loader's grid, as positions record it."""
     return {
@@ -254,6 +269,7 @@ __all__ = [
     "Layout",
     "OldStream",
     "elastic_items",
+    "exact_plans",
     "is_hf",
     "layout_of",
     "remaining",

@@ -12,10 +12,16 @@ around it under Lightning:
   litdata's shuffle seed) gets its counter back instead.
 - Resumed mid-epoch, creating the iterator draws a worker seed from the main process's RNG at a point where the
   uninterrupted run drew none: the RNG states are put back after the first batch.
+- On another grid (world size, ``num_workers``, batch size), litdata restripes the rest of the epoch itself; the
+  deterministic strategies make it deal the rest at the exact sample (``_compat_data.litdata_exact_restripe``) and
+  let Lightning count that epoch's batches anew. A checkpoint written during such an epoch keeps the state it was
+  loaded from: resumed on the same grid, the epoch is planned again from it and the batches already consumed are
+  read and dropped (litdata would start its workers' round-robin at the first worker there).
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -23,6 +29,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_determinism._compat_data import litdata_exact_restripe, litdata_state_for
+from lightning_determinism.data.elastic_streams import exact_plans
 from lightning_determinism.data.streams import HISTORY  # batches kept to take a position back (fetched ahead)
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
 
@@ -63,22 +71,32 @@ class _StatefulIterator:
         if self.inner is None:
             resume = loader._ldet_take_resume()
             if resume is not None and resume.get("loader_state") is not None:
-                loader._ldet_load(resume["loader_state"])
+                state, skip = resume["loader_state"], 0
+                if resume.get("origin") is not None:  # an epoch restriped from another grid: again from its start
+                    state, skip = resume["origin"], int(resume["batches"])
+                litdata_exact_restripe(exact_plans)  # on another grid: at the exact sample (see there)
+                state = litdata_state_for(loader, state)
+                loader._ldet_load(state)
+                # A copy: litdata updates the state it loaded in place with every state_dict() it returns.
+                loader._ldet_origin = copy.deepcopy(state) if resume.get("elastic") or skip else None
                 now = capture_cpu_streams()
                 self.inner = iter(base.__iter__(loader))
                 loader._ldet_history.clear()
-                loader._ldet_batches = int(resume["batches"])
                 loader._ldet_epoch_done = False
                 try:
+                    for _ in range(skip):  # the batches of that epoch consumed before the checkpoint
+                        next(self.inner)
                     batch = next(self.inner)
                 finally:
                     restore_cpu_streams(now)  # what creating the iterator drew, the uninterrupted run did not
+                loader._ldet_batches = int(resume["batches"])
                 return self._delivered(batch)
             if resume is not None and resume.get("loader_epoch") is not None and hasattr(loader, "current_epoch"):
                 loader.current_epoch = int(resume["loader_epoch"])
             if getattr(loader, "restore", False) is True:
                 loader.restore = False  # litdata: left set by a resumed epoch whose generator was not run to its end
             loader._ldet_epoch_before = int(getattr(loader, "current_epoch", 0))
+            loader._ldet_origin = None
             loader._ldet_history.clear()
             loader._ldet_batches = 0
             loader._ldet_epoch_done = False
@@ -104,6 +122,7 @@ class StatefulLoaderMixin:
     _ldet_batches: int
     _ldet_epoch_before: int
     _ldet_loading: bool
+    _ldet_origin: dict[str, Any] | None  # the state an epoch restriped from another grid was loaded from
     _ldet_trainer: Any
 
     def __iter__(self) -> Iterator[Any]:
@@ -133,7 +152,7 @@ class StatefulLoaderMixin:
             return {"loader_epoch": None if epoch is None else int(epoch), "batches": 0}
         for batches, state in self._ldet_history:
             if batches == consumed:
-                return {"loader_state": state, "batches": consumed}
+                return {"loader_state": state, "batches": consumed, "origin": self._ldet_origin}
         raise RuntimeError(
             f"the state of `{type(self).__name__}` after batch {consumed} of the epoch is no longer known (kept: the"
             f" last {HISTORY} delivered batches, up to {self._ldet_batches})"
@@ -160,6 +179,7 @@ def make_stateful(loader: DataLoader, trainer: Any) -> DataLoader:
         loader._ldet_batches = 0  # type: ignore[attr-defined]
         loader._ldet_epoch_before = int(getattr(loader, "current_epoch", 0))  # type: ignore[attr-defined]
         loader._ldet_loading = False  # type: ignore[attr-defined]
+        loader._ldet_origin = None  # type: ignore[attr-defined]
         loader._ldet_epoch_done = False  # type: ignore[attr-defined]
     loader._ldet_trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
     return loader
