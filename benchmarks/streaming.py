@@ -5,7 +5,8 @@
 
 Paths: a user's IterableDataset with the state protocol (restored in O(1)), the same without it (replayed in the
 workers from the epoch's seeds), Hugging Face streaming (unshuffled: its state; shuffled: replay) and litdata (its
-own state), where installed; beside them, what skipping by reading the batches costs (re-iterating the loader up to
+own state), where installed; a user's stream resumed with twice the workers (elastic: each new worker plays every
+old stream); beside them, what skipping by reading the batches costs (re-iterating the loader up to
 the position, as accelerate's and the HF Trainer's `skip_first_batches` do). No model: only the data side is timed.
 The issue's goal: at most 1.1x with a state protocol; replay is O(position), without model compute.
 """
@@ -69,12 +70,16 @@ class StatefulSamples(Samples):
         self.start = 0
 
 
-def loader(dataset: Any, args: argparse.Namespace) -> Any:
-    return make_resumable(DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers), None)
+def loader(dataset: Any, args: argparse.Namespace, workers: int | None = None) -> Any:
+    workers = args.workers if workers is None else workers
+    return make_resumable(DataLoader(dataset, batch_size=args.batch_size, num_workers=workers), None)
 
 
-def first_batch_seconds(make_dataset: Any, args: argparse.Namespace, fraction: float) -> float:
-    """Seconds from a new converted loader, resuming at ``fraction`` of the epoch, to its first batch."""
+def first_batch_seconds(make_dataset: Any, args: argparse.Namespace, fraction: float, elastic: bool = False) -> float:
+    """Seconds from a new converted loader, resuming at ``fraction`` of the epoch, to its first batch.
+
+    ``elastic``: the resumed loader has twice the workers (another grid: every new worker plays the old streams).
+    """
     batches = int(args.samples / args.batch_size * fraction)
     position = None
     if batches:
@@ -84,9 +89,9 @@ def first_batch_seconds(make_dataset: Any, args: argparse.Namespace, fraction: f
             next(iterator)
         position = straight._ldet_position.at(batches)
         del iterator
-    resumed = loader(make_dataset(), args)
+    resumed = loader(make_dataset(), args, 2 * args.workers if elastic else None)
     if position is not None:
-        setattr(resumed, PLAN_ATTR, {"epoch": 0, "stream": position})
+        setattr(resumed, PLAN_ATTR, {"epoch": 0, "stream": position, "grid": [position]})
     start = time.perf_counter()
     iterator = iter(resumed)
     next(iterator)
@@ -167,6 +172,10 @@ def main() -> None:
         ),
         ("your stream, no protocol (replayed)", lambda f: first_batch_seconds(lambda: Samples(args.samples), args, f)),
         ("skipping by reading the batches", lambda f: reading_seconds(lambda: Samples(args.samples), args, f)),
+        (
+            f"your stream, {args.workers} -> {2 * args.workers} workers (elastic)",
+            lambda f: first_batch_seconds(lambda: Samples(args.samples), args, f, elastic=True),
+        ),
     ]
     if importlib.util.find_spec("datasets") is not None:
         rows.append(

@@ -129,13 +129,26 @@ class OldStream:
         with self._as_old():
             return next(self.iterator)
 
+    def take(self, n: int) -> list[Any]:
+        """Up to ``n`` next items (one switch of identity and RNG streams for all of them)."""
+        with self._as_old():
+            return list(islice(self.iterator, n))
+
+    def skip(self, n: int) -> None:
+        """Drop the next ``n`` items (at C speed, one switch)."""
+        with self._as_old():
+            consume(self.iterator, n)
+
 
 def skip_delivered(iterator: Iterator[Any], delivered: int, digest: int, checks: Checks) -> Iterator[Any]:
     """Drop the ``delivered`` items a stream had delivered; the last one's digest must be the saved one."""
     from lightning_determinism.data.streams import item_digest
 
     if delivered > 0:
-        consume(iterator, delivered - 1)
+        if isinstance(iterator, OldStream):
+            iterator.skip(delivered - 1)
+        else:
+            consume(iterator, delivered - 1)
         last = next(iterator, _END)
         if last is _END or item_digest(last) != int(digest):
             checks.replay_ok = False
@@ -165,7 +178,8 @@ def _old_rank(streams: list[Iterator[Any]], first: int, batch: int, drop_last: b
     due = deque((first + k) % len(streams) for k in range(len(streams)))
     while due:
         worker = due.popleft()
-        chunk = list(islice(streams[worker], batch))
+        stream = streams[worker]
+        chunk = stream.take(batch) if isinstance(stream, OldStream) else list(islice(stream, batch))
         if len(chunk) == batch:
             due.append(worker)
         if chunk and (len(chunk) == batch or not drop_last):

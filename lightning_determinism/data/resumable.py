@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_determinism._compat import set_sampler_epoch
@@ -209,6 +209,10 @@ class ResumableLoaderMixin:
             return None
         batches = consumed_indices(self, create_single, skip)
         self._ldet_restore(start)
+        rank_zero_info(
+            f"Resuming mid-epoch: the {workers} data-loader workers replay the {skip} batches consumed before the"
+            " checkpoint (their per-worker random streams); WorkerSeedCallback(per_sample=True) resumes in O(1)."
+        )
         return WorkerReplay(skip, workers, batches, self.collate_fn, self.batch_sampler is not None)  # type: ignore[attr-defined]
 
     def _ldet_create_stream(self, trainer: Any, resume: dict[str, Any] | None, create: Any) -> Iterator[Any]:
