@@ -1,5 +1,6 @@
 """RNGStateCheckpoint policies in one process: missing state, another world size, malformed entries."""
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -156,26 +157,41 @@ def test_on_an_exception_the_mid_accumulation_checkpoint_is_written_with_a_warni
     assert (tmp_path / "on_exception.ckpt").exists()  # no data lost
 
 
-def test_resuming_mid_epoch_with_workers_but_no_per_sample_seeding_warns(tmp_path):
+def _fit_stream_module(tmp_path, name, epochs, ckpt=None, steps=-1, **module):
     from tests.lightning_models import StreamModule
 
-    def run(name, epochs, ckpt=None, steps=-1):
-        out = tmp_path / name
-        out.mkdir()
-        trainer = quiet_trainer(
-            DeterministicSingleDeviceStrategy(seed=3),
-            1,
-            max_epochs=epochs,
-            max_steps=steps,
-            callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=3)],
-            enable_checkpointing=True,
-        )
-        trainer.fit(StreamModule(str(out), n=16, batch_size=2, num_workers=2), ckpt_path=ckpt)
-        return out
+    out = tmp_path / name
+    out.mkdir()
+    trainer = quiet_trainer(
+        DeterministicSingleDeviceStrategy(seed=3),
+        1,
+        max_epochs=epochs,
+        max_steps=steps,
+        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=3)],
+        enable_checkpointing=True,
+    )
+    trainer.fit(StreamModule(str(out), n=16, batch_size=2, num_workers=2, **module), ckpt_path=ckpt)
+    return out, json.loads((out / "samples-rank0.json").read_text())
 
-    first = run("first", 1, steps=3)
-    with pytest.warns(DeterminismWarning, match="Resuming mid-epoch with data-loader workers"):
-        run("resumed", 1, ckpt=first / "last.ckpt")
+
+def test_resuming_mid_epoch_with_workers_and_per_worker_seeds_replays_their_draws(tmp_path):
+    _, straight = _fit_stream_module(tmp_path, "straight", 1)
+    first, _ = _fit_stream_module(tmp_path, "first", 1, steps=3)
+    _, resumed = _fit_stream_module(tmp_path, "resumed", 1, ckpt=first / "last.ckpt")
+
+    process = ("worker", "torch_seed", "pytorch_worker_seed")  # which worker process served a sample, not its draws
+
+    def drawn(samples):
+        return [{k: v for k, v in s.items() if k not in process} for s in samples]
+
+    assert drawn(resumed) == drawn(straight[3 * 2 :])
+    assert [s["worker"] for s in resumed] != [s["worker"] for s in straight[3 * 2 :]]  # other workers took the roles
+
+
+def test_resuming_persistent_workers_past_their_first_epoch_without_per_sample_seeding_warns(tmp_path):
+    first, _ = _fit_stream_module(tmp_path, "first", 2, steps=11, persistent_workers=True)
+    with pytest.warns(DeterminismWarning, match="Resuming mid-epoch with persistent data-loader workers"):
+        _fit_stream_module(tmp_path, "resumed", 2, ckpt=first / "last.ckpt", persistent_workers=True)
 
 
 def test_torchdata_stateful_loader_is_refused_with_the_reason():
