@@ -37,30 +37,34 @@ class _Fork:
     again would replay the stream's stored, stale state.
     """
 
-    __slots__ = ("_depth", "_name", "_saved_cpu", "_saved_cuda", "_stream", "_tracker")
+    __slots__ = ("_cuda", "_depth", "_name", "_saved_cpu", "_saved_cuda", "_stream", "_tracker")
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self._name = name
         self._depth = 0
-        self._stream: dict[str, torch.Tensor] | None = None
+        # The stream's state dict, looked up once (the tracker resets it when it replaces its states).
+        self._stream: dict[str, torch.Tensor] | None = tracker._states.get(name)
+        self._cuda = self._stream is not None and "cuda" in self._stream
         self._saved_cuda: torch.Tensor | None = None
 
     def __enter__(self) -> None:
         if self._depth:
             self._depth += 1
             return
-        stream = self._tracker._states.get(self._name)
+        stream = self._stream
         if stream is None:
-            raise RuntimeError(
-                f"RNG stream {self._name!r} is not tracked; register it with `get_rng_tracker().add({self._name!r},"
-                " seed)` or call `model_parallel_seed(seed, topology)` first"
-            )
+            stream = self._stream = self._tracker._states.get(self._name)  # added after this fork was made
+            if stream is None:
+                raise RuntimeError(
+                    f"RNG stream {self._name!r} is not tracked; register it with `get_rng_tracker().add("
+                    f"{self._name!r}, seed)` or call `model_parallel_seed(seed, topology)` first"
+                )
+            self._cuda = "cuda" in stream
         self._depth = 1
-        self._stream = stream
         self._saved_cpu = _get_cpu_state()
         _set_cpu_state(stream["cpu"])
-        if "cuda" in stream and cuda_ready():
+        if self._cuda and cuda_ready():
             self._saved_cuda = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(stream["cuda"])
 
@@ -68,14 +72,13 @@ class _Fork:
         self._depth -= 1
         if self._depth:
             return
-        stream: dict[str, torch.Tensor] = self._stream  # type: ignore[assignment]  # set by __enter__
+        stream: dict[str, torch.Tensor] = self._stream  # type: ignore[assignment]  # set by __init__ or __enter__
         stream["cpu"] = _get_cpu_state()  # the advanced state: the next fork continues the sequence
         _set_cpu_state(self._saved_cpu)
         if self._saved_cuda is not None:
             stream["cuda"] = torch.cuda.get_rng_state()
             torch.cuda.set_rng_state(self._saved_cuda)
             self._saved_cuda = None
-        self._stream = None
 
 
 _CPU = torch.default_generator
@@ -121,7 +124,13 @@ class RNGStatesTracker:
         """Forget every stream."""
         self._states.clear()
         self._seeds.clear()
-        self._forks.clear()
+        self._drop_forks()
+
+    def _drop_forks(self) -> None:
+        """Forks already handed out (kept, one per name) look their stream up again at their next entry."""
+        for fork in self._forks.values():
+            if not fork._depth:  # an open fork keeps the stream it entered, to save it back at its exit
+                fork._stream = None
 
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` seeded with ``seed``, without touching the caller's RNG.
@@ -180,7 +189,7 @@ class RNGStatesTracker:
             new_seeds[name] = int(state["seed"])
             new_states[name] = {k: v.clone() for k, v in state.items() if k != "seed"}
         self._states, self._seeds = new_states, new_seeds
-        self._forks.clear()
+        self._drop_forks()
 
 
 _TRACKER = RNGStatesTracker()

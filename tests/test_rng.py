@@ -138,6 +138,25 @@ def test_states_round_trip_and_continue(tmp_path):
         other.set_states({"a": {"cpu": torch.get_rng_state()}})
 
 
+def test_a_fork_held_across_set_states_or_reset_follows_the_new_states():
+    tracker = RNGStatesTracker()
+    tracker.add("a", 11)
+    held = tracker.fork("a")
+    saved = tracker.get_states()
+    with held:
+        first = torch.rand(3)
+    tracker.set_states(saved)  # back to before the draw
+    with held:
+        assert torch.equal(torch.rand(3), first)
+    tracker.reset()
+    with pytest.raises(RuntimeError, match="'a' is not tracked"):
+        with held:
+            pass
+    tracker.add("a", 12)
+    with held:
+        assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(12)))
+
+
 def test_reset_forgets_streams():
     tracker = RNGStatesTracker()
     tracker.add("a", 1)
