@@ -157,7 +157,8 @@ def test_on_an_exception_the_mid_accumulation_checkpoint_is_written_with_a_warni
     assert (tmp_path / "on_exception.ckpt").exists()  # no data lost
 
 
-def _fit_stream_module(tmp_path, name, epochs, ckpt=None, steps=-1, **module):
+def _fit_stream_module(tmp_path, name, epochs, ckpt=None, **module):
+    """StreamModule on 1 process, 2 workers, 8 steps per epoch; a checkpoint every 3 steps: step=3.ckpt, ..."""
     from tests.lightning_models import StreamModule
 
     out = tmp_path / name
@@ -166,8 +167,7 @@ def _fit_stream_module(tmp_path, name, epochs, ckpt=None, steps=-1, **module):
         DeterministicSingleDeviceStrategy(seed=3),
         1,
         max_epochs=epochs,
-        max_steps=steps,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True, every_n_train_steps=3)],
+        callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=3, save_top_k=-1, filename="{step}")],
         enable_checkpointing=True,
     )
     trainer.fit(StreamModule(str(out), n=16, batch_size=2, num_workers=2, **module), ckpt_path=ckpt)
@@ -175,10 +175,8 @@ def _fit_stream_module(tmp_path, name, epochs, ckpt=None, steps=-1, **module):
 
 
 def test_resuming_mid_epoch_with_workers_and_per_worker_seeds_replays_their_draws(tmp_path):
-    _, straight = _fit_stream_module(tmp_path, "straight", 1)
-    first, _ = _fit_stream_module(tmp_path, "first", 1, steps=3)
-    _, resumed = _fit_stream_module(tmp_path, "resumed", 1, ckpt=first / "last.ckpt")
-
+    first, straight = _fit_stream_module(tmp_path, "straight", 1)
+    _, resumed = _fit_stream_module(tmp_path, "resumed", 1, ckpt=first / "step=3.ckpt")
     process = ("worker", "torch_seed", "pytorch_worker_seed")  # which worker process served a sample, not its draws
 
     def drawn(samples):
@@ -189,9 +187,9 @@ def test_resuming_mid_epoch_with_workers_and_per_worker_seeds_replays_their_draw
 
 
 def test_resuming_persistent_workers_past_their_first_epoch_without_per_sample_seeding_warns(tmp_path):
-    first, _ = _fit_stream_module(tmp_path, "first", 2, steps=11, persistent_workers=True)
+    first, _ = _fit_stream_module(tmp_path, "first", 2, persistent_workers=True)
     with pytest.warns(DeterminismWarning, match="Resuming mid-epoch with persistent data-loader workers"):
-        _fit_stream_module(tmp_path, "resumed", 2, ckpt=first / "last.ckpt", persistent_workers=True)
+        _fit_stream_module(tmp_path, "resumed", 2, ckpt=first / "step=9.ckpt", persistent_workers=True)  # epoch 1
 
 
 def test_torchdata_stateful_loader_is_refused_with_the_reason():
