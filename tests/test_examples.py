@@ -16,17 +16,25 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
 FABRIC_EXAMPLE = EXAMPLE.parent / "fabric_tiny_lm.py"
 
 
-def _run(*args: str, with_stderr: bool = False, example: Path = EXAMPLE) -> str:
-    result = subprocess.run(
+def _start(*args: str, example: Path = EXAMPLE) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, str(example), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=CHILD_TIMEOUT_S,
         cwd=EXAMPLE.parent,
         env=child_env(),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + (result.stderr if with_stderr else "")
+
+
+def _finish(process: subprocess.Popen, with_stderr: bool = False) -> str:
+    out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
+    assert process.returncode == 0, out[-3000:] + err[-3000:]
+    return out + (err if with_stderr else "")
+
+
+def _run(*args: str, with_stderr: bool = False, example: Path = EXAMPLE) -> str:
+    return _finish(_start(*args, example=example), with_stderr)
 
 
 SMALL = ("--sentences", "500")  # a smaller corpus than the README's run: the same code, a third of the time
@@ -35,10 +43,10 @@ SMALL = ("--sentences", "500")  # a smaller corpus than the README's run: the sa
 @pytest.mark.distributed
 def test_tiny_lm_gives_one_fingerprint_with_and_without_workers():
     # Two processes, and two settings that must not matter: reproducible across runs, independent of the workers.
-    with_workers = _run("--epochs", "1", "--workers", "2", *SMALL, with_stderr=True)
+    started = _start("--epochs", "1", "--workers", "2", *SMALL), _start("--epochs", "1", "--workers", "0", *SMALL)
+    with_workers, in_process = _finish(started[0], with_stderr=True), _finish(started[1])  # side by side
     for noise in ("LeafSpec", "litlogger", "weights_only", "replicates some samples", "Traceback"):
         assert noise not in with_workers, noise
-    in_process = _run("--epochs", "1", "--workers", "0", *SMALL)
     prints = [re.findall(r"weights sha256: ([0-9a-f]{64})", out) for out in (with_workers, in_process)]
     assert len(prints[0]) == 1 and prints[0] == prints[1]
     assert "[rank: 0] lightning_determinism: base seed 42, local seed 42, debug_mode=error" in with_workers
@@ -52,7 +60,12 @@ def test_tiny_lm_gives_one_fingerprint_with_and_without_workers():
 
 @pytest.mark.distributed
 def test_tiny_lm_invariant_mode_gives_one_fingerprint_on_one_and_two_processes():
-    outs = [_run("--invariant", "--devices", d, "--epochs", "1", *SMALL, with_stderr=True) for d in ("1", "2")]
+    one, other_seed_run = (_start("--invariant", "--devices", "1", "--epochs", "1", *extra, *SMALL)
+                           for extra in ((), ("--seed", "1")))  # fmt: skip
+    outs = [
+        _finish(one, with_stderr=True),
+        _run("--invariant", "--devices", "2", "--epochs", "1", *SMALL, with_stderr=True),
+    ]
     prints = [re.findall(r"weights sha256: ([0-9a-f]{64})", out) for out in outs]
     assert len(prints[0]) == 1 and prints[0] == prints[1]
     assert "B=64 samples per optimizer step in 4 micro-batches of m=16; 2 process(es) x 2 micro-batches" in outs[1]
@@ -60,7 +73,7 @@ def test_tiny_lm_invariant_mode_gives_one_fingerprint_on_one_and_two_processes()
     figures = [re.findall(r"epoch 0: val/loss (\d+\.\d+) val/ppl (\d+\.\d+)", out) for out in outs]
     assert len(figures[0]) == 1 and figures[0] == figures[1]
     # ... and the fingerprint is the seed's: another seed, another model.
-    other_seed = _run("--invariant", "--devices", "1", "--epochs", "1", "--seed", "1", *SMALL)
+    other_seed = _finish(other_seed_run)
     assert re.findall(r"weights sha256: ([0-9a-f]{64})", other_seed) not in ([], prints[0])
 
 
@@ -91,8 +104,10 @@ HAVE_LITDATA = importlib.util.find_spec("litdata") is not None
 def resume_demos():
     # Each demo runs an uninterrupted 2-epoch run beside a stopped and resumed one, and prints the uninterrupted
     # run's validation lines: one pair of runs serves the resume claims and the Trainer-equals-Fabric claim.
-    return {"trainer": _run("--resume", "--epochs", "2", *SMALL), "fabric": _run("--resume", "--epochs", "2", *SMALL,
-                                                                                  example=FABRIC_EXAMPLE)}  # fmt: skip
+    # Both demos at once: each spends much of its time starting processes, which the other one's work fills.
+    trainer = _start("--resume", "--epochs", "2", *SMALL)
+    fabric = _start("--resume", "--epochs", "2", *SMALL, example=FABRIC_EXAMPLE)
+    return {"trainer": _finish(trainer), "fabric": _finish(fabric)}
 
 
 @pytest.mark.distributed
