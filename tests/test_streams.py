@@ -206,3 +206,22 @@ def test_an_old_stream_runs_with_the_identity_it_had():
     stream = OldStream(Reporter(), 5, 0, Grid(positions), 1, 2)
     assert torch.equal(next(stream), next(OldStream(Reporter(), 5, 0, Grid(positions), 1, 2)))  # its own seed
     assert seen[0] == (1, 2, "1", 2, 3) and torch.utils.data.get_worker_info() is None and not dist.is_initialized()
+
+
+def test_a_rank_that_would_have_one_batch_fewer_repeats_a_sample_and_says_so(monkeypatch):
+    """9 samples left, 2 ranks, batches of 2: 4 each, then one more opens a third batch on rank 0 only."""
+    import lightning_determinism.data.stream_loader as stream_loader
+    from lightning_determinism.data.streams import IsolatedStreams, StreamPlan
+
+    uninterrupted = make_resumable(DataLoader(Noisy(), batch_size=3), None)
+    iterator = iter(uninterrupted)
+    [next(iterator) for _ in range(5)]
+    position = uninterrupted._ldet_position.at(5)
+    rest = [int(i) for batch in iterator for i in batch["id"]]
+    monkeypatch.setattr(stream_loader, "_world", lambda trainer: 2)
+    resumed = make_resumable(DataLoader(Noisy(), batch_size=2), None)
+    resumed._ldet_stream_plan, resumed._ldet_isolated = StreamPlan(0, rank=1), IsolatedStreams()  # rank 1 of 2
+    setattr(resumed, PLAN_ATTR, {"epoch": 0, "stream": position, "grid": [position]})
+    with pytest.warns(DeterminismWarning, match="this rank repeats 1 of them"):
+        got = [[int(i) for i in batch["id"]] for batch in resumed]
+    assert len(rest) == 9 and got == [[rest[1], rest[3]], [rest[5], rest[7]], [rest[8]]]  # rank 0 has rest[8] too

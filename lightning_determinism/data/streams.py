@@ -168,12 +168,23 @@ class StreamProxy(IterableDataset):  # type: ignore[type-arg]
                     skip_delivered(iterator, int(resume["items"]), int(resume["digest"]), checks)
         _ACTIVE[self.plan.token] = (worker, self.dataset, self.stateful and not elastic)
         if resume is not None:
-            _REPLAY_CHECKS[self.plan.token] = (checks.replay_ok, checks.padded)
+            _CHECKS[self.plan.token] = checks
         return iterator
 
 
-_REPLAY_CHECKS: dict[str, tuple[bool, int]] = {}
-"""Per process: a resume's outcome (the replay's digest check, items repeated for DDP), sent with the next batch."""
+_CHECKS: dict[str, Checks] = {}
+"""Per process: a resumed stream's checks (the replay's digest check, at once; items repeated for DDP, at the end of
+its epoch), sent with the batches that follow them (:meth:`TagCollate.__call__`)."""
+
+
+def _news(token: str) -> tuple[bool, int] | None:
+    """What a resumed stream's checks found since the last batch, if anything."""
+    checks = _CHECKS.get(token)
+    if checks is None or (checks.replay_ok and not checks.padded):
+        return None
+    news = (checks.replay_ok, checks.padded)
+    checks.replay_ok, checks.padded = True, 0  # each finding is sent once
+    return news
 
 
 class Tagged:
@@ -222,7 +233,7 @@ class TagCollate:
         digest = item_digest(items[-1] if self.batched else items)
         state = {"dataset": dataset.state_dict(), "rng": capture_cpu_streams()} if stateful else None
         data = self.inner(items)
-        return Tagged(worker, count, digest, state, _REPLAY_CHECKS.pop(self.token, None), data)
+        return Tagged(worker, count, digest, state, _news(self.token), data)
 
 
 class IsolatedStreams:
