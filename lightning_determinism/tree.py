@@ -146,7 +146,9 @@ class GradientTree:
         """
         if not self.groups or self._hooks or self.added != self.leaves - 1:
             return
-        self._leaf = self._buffer()
+        # The last leaf is a right child (K is a power of two): its gradients are added straight into its left
+        # sibling, the subtree on top of the stack. Only a single leaf per process (K = 1) needs a buffer of its own.
+        self._leaf = None if self._stack and self._stack[-1][0] == 0 else self._buffer()
         self._pending = [len(members) for members in self._buckets]
         self._roots = [None] * len(self._buckets)
         for index, p in enumerate(self.parameters):
@@ -169,16 +171,19 @@ class GradientTree:
         self._pending[bucket] = -1  # done
         members = self._buckets[bucket]
         start, end = self._offsets[members[0]], self._offsets[members[-1] + 1]
-        assert self._leaf is not None
-        for i in members:
-            p, part = self.parameters[i], self._leaf[self._offsets[i] : self._offsets[i + 1]]
-            if p.grad is None:
-                part.zero_()
-            else:
-                part.copy_(p.grad.reshape(-1))
+        if self._leaf is None:  # straight into the left sibling (see arm)
+            _add_gradients(self.parameters, members, self._offsets, self._stack[-1][1])
+            level, value, below = 1, self._stack[-1][1][start:end], self._stack[:-1]
+        else:
+            for i in members:
+                p, part = self.parameters[i], self._leaf[self._offsets[i] : self._offsets[i + 1]]
+                if p.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(p.grad.reshape(-1))
+            level, value, below = 0, self._leaf[start:end], self._stack
         # The last leaf closes every open subtree: the same in-place additions as add_leaf, on this slice only.
-        level, value = 0, self._leaf[start:end]
-        for entry_level, left in reversed(self._stack):
+        for entry_level, left in reversed(below):
             if entry_level != level:
                 break
             value = left[start:end].add_(value)
@@ -194,17 +199,24 @@ class GradientTree:
         if self._hooks:
             self._add_overlapped_leaf()
             return
-        leaf = self._buffer()
-        offset = 0
-        for p in self.parameters:
-            n = p.numel()
-            if p.grad is None:
-                leaf[offset : offset + n].zero_()
-            else:
-                leaf[offset : offset + n].copy_(p.grad.reshape(-1))
+        if self._stack and self._stack[-1][0] == 0:  # a right child: added straight into its left sibling
+            _, value = self._stack.pop()
+            _add_gradients(self.parameters, range(len(self.parameters)), self._offsets, value)
+            for p in self.parameters:
                 p.grad = None
-            offset += n
-        level, value = 0, leaf
+            level = 1
+        else:
+            leaf = self._buffer()
+            offset = 0
+            for p in self.parameters:
+                n = p.numel()
+                if p.grad is None:
+                    leaf[offset : offset + n].zero_()
+                else:
+                    leaf[offset : offset + n].copy_(p.grad.reshape(-1))
+                    p.grad = None
+                offset += n
+            level, value = 0, leaf
         while self._stack and self._stack[-1][0] == level:
             _, left = self._stack.pop()
             value = left.add_(value)  # left + right, in place in the left subtree's buffer
@@ -257,6 +269,18 @@ class GradientTree:
             p.grad = self._result[offset : offset + n].view(p.shape)
             offset += n
         self.added = 0
+
+
+def _add_gradients(parameters: Sequence[torch.nn.Parameter], members: Any, offsets: list[int], left: Tensor) -> None:
+    """``left += grad`` for each parameter of ``members`` (its slice of the flat vector): the tree's addition of a right
+    child into its left sibling, without copying the child first (a missing gradient adds zeros, as a zeroed copy
+    would: ``-0.0 + 0.0`` is ``+0.0``)."""
+    for i in members:
+        part, grad = left[offsets[i] : offsets[i + 1]], parameters[i].grad
+        if grad is None:
+            part.add_(0.0)
+        else:
+            part.add_(grad.reshape(-1))
 
 
 class PairwiseAllReduce:
