@@ -272,9 +272,11 @@ class GradientTree:
 
 
 def _add_gradients(parameters: Sequence[torch.nn.Parameter], members: Any, offsets: list[int], left: Tensor) -> None:
-    """``left += grad`` for each parameter of ``members`` (its slice of the flat vector): the tree's addition of a right
-    child into its left sibling, without copying the child first (a missing gradient adds zeros, as a zeroed copy
-    would: ``-0.0 + 0.0`` is ``+0.0``)."""
+    """``left += grad`` for each parameter of ``members``, on its slice of the flat vector.
+
+    The tree's addition of a right child into its left sibling, without copying the child first (a missing gradient
+    adds zeros, as a zeroed copy would: ``-0.0 + 0.0`` is ``+0.0``).
+    """
     for i in members:
         part, grad = left[offsets[i] : offsets[i + 1]], parameters[i].grad
         if grad is None:
