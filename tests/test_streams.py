@@ -208,6 +208,7 @@ def test_an_old_stream_runs_with_the_identity_it_had():
     assert seen[0] == (1, 2, "1", 2, 3) and torch.utils.data.get_worker_info() is None and not dist.is_initialized()
 
 
+@pytest.mark.filterwarnings("ignore:.*resumes on another grid:lightning_determinism.errors.DeterminismWarning")
 def test_a_rank_that_would_have_one_batch_fewer_repeats_a_sample_and_says_so(monkeypatch):
     """9 samples left, 2 ranks, batches of 2: 4 each, then one more opens a third batch on rank 0 only."""
     import lightning_determinism.data.stream_loader as stream_loader
