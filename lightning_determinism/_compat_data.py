@@ -1,4 +1,4 @@
-"""Run-time accessors of the ``DataLoader`` internals the data side needs (and of Hugging Face's shuffle buffer).
+"""Run-time accessors of the ``DataLoader`` internals the data side needs (and of Hugging Face's buffer and node).
 
 Split from :mod:`lightning_determinism._compat`, which checks every private name they read at import (its
 :data:`~lightning_determinism._compat.PIECES`); the accessors raise the same clear error if one is gone at run time.
@@ -7,6 +7,7 @@ Split from :mod:`lightning_determinism._compat`, which checks every private name
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -145,6 +146,18 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def hf_node(dataset: Any) -> Any:
+    """The node a Hugging Face ``IterableDataset`` reads as (``split_dataset_by_node``), ``None`` if not split."""
+    return getattr(dataset, "_distributed", None)
+
+
+def hf_as_node(dataset: Any, rank: int, world_size: int) -> None:
+    """Make a Hugging Face ``IterableDataset`` read node ``rank`` of ``world_size`` (in place; a split one only)."""
+    node = hf_node(dataset)
+    if node is not None:
+        dataset._distributed = dataclasses.replace(node, rank=rank, world_size=world_size)
+
+
 def hf_shuffles(dataset: Any) -> bool:
     """Whether a Hugging Face ``IterableDataset`` has a shuffle buffer, whose content its state drops (#7901).
 
@@ -162,6 +175,8 @@ __all__ = [
     "base_index_sampler",
     "drop_loader_iterator",
     "forget_worker_pids",
+    "hf_as_node",
+    "hf_node",
     "hf_shuffles",
     "litdata_exact_restripe",
     "litdata_state_for",

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from lightning_determinism._compat_data import worker_info_as
+from lightning_determinism._compat_data import hf_as_node, worker_info_as
 from lightning_determinism.data._index_skip import consume
 from lightning_determinism.rng import restore_cpu_streams
 
@@ -102,6 +102,8 @@ class OldStream:
         from lightning_determinism.data.streams import IsolatedStreams, has_state_protocol, seed_stream, stream_seed
 
         self.dataset = copy.deepcopy(dataset)  # datasets keep their position on themselves (the state protocol)
+        if is_hf(self.dataset):  # Hugging Face takes its node when split, not while it runs: give it the old one
+            hf_as_node(self.dataset, rank, grid.world)
         self.streams = IsolatedStreams()
         self.seed = stream_seed(base, rank, worker, epoch)
         self.identity = (rank, grid.world, worker, grid.num_workers)
@@ -272,7 +274,11 @@ def layout_of(loader: Any, world: int) -> dict[str, Any]:
 
 
 def is_hf(dataset: Any) -> bool:
-    """Whether ``dataset`` is a Hugging Face one: it takes its node's shard when built (``split_dataset_by_node``)."""
+    """Whether ``dataset`` is a Hugging Face one.
+
+    It takes its node when split (``split_dataset_by_node``), not while it runs: an old rank's stream is played from a
+    copy split for that rank.
+    """
     return type(dataset).__module__.startswith("datasets.")
 
 

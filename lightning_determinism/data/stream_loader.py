@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_determinism.data.elastic_streams import LAYOUT, is_hf, layout_of
+from lightning_determinism.data.elastic_streams import LAYOUT, layout_of
 from lightning_determinism.data.streams import (
     IsolatedStreams,
     StreamIterator,
@@ -79,12 +79,11 @@ def _resume_plan(
     name = type(loader.dataset).__name__
     now = plan.layout
     changed = ", ".join(f"{key} {before[key]} -> {now[key]}" for key in LAYOUT if before[key] != now[key])
-    if grid is None or is_hf(loader.dataset):
-        why = "takes its node's shard when it is built" if grid is not None else "has no position of the other ranks"
+    if grid is None:
         warnings.warn(
-            f"The position of `{name}` was saved on another grid ({changed or 'workers'}) and the checkpoint {why}:"
-            " the interrupted epoch of this stream restarts at its first sample, so samples already trained on in it"
-            " are seen again.",
+            f"The position of `{name}` was saved on another grid ({changed or 'workers'}) and the checkpoint has no"
+            " position of the other ranks: the interrupted epoch of this stream restarts at its first sample, so"
+            " samples already trained on in it are seen again.",
             DeterminismWarning,
             stacklevel=2,
         )

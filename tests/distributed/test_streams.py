@@ -57,8 +57,8 @@ BASE = [
 ]
 OPTIONAL = {
     "datasets": [
-        {"name": "hf-workers", "source": "hf", "workers": 2, "chain": [3, 5]},  # shuffle buffer: replayed
-        {"name": "hf-state", "source": "hf-state", "workers": 2, "chain": [5], "unshuffled": True},  # its state
+        {"name": "hf-workers", "source": "hf", "workers": 2, "chain": [3, 5], "elastic": [[1, 3], [4, 5]]},  # replay
+        {"name": "hf-state", "source": "hf-state", "workers": 2, "chain": [5], "elastic": [[1, 5]], "unshuffled": True},
     ],
     "litdata": [
         {
@@ -199,6 +199,10 @@ ELASTIC = [
     ("plain-workers", "elastic4-1at6", [("straight", 5), ("elastic4", 6)]),  # resumed on a third grid
     ("state-persistent", "elastic1", [("straight", 5)]),  # the state protocol's positions, played elsewhere
     # litdata restripes its own state; at the exact sample (before: rounded down to whole global batches, repeated)
+    # Hugging Face: each old rank's stream played from a copy split for that rank (split_dataset_by_node)
+    ("hf-workers", "elastic1", [("straight", 3)]),
+    ("hf-workers", "elastic4", [("straight", 5)]),
+    ("hf-state", "elastic1", [("straight", 5)]),  # its state, loaded into the copy of the old rank
     ("litdata-workers", "elastic1", [("straight", 3)]),
     ("litdata-workers", "elastic4", [("straight", 3)]),
     ("litdata-workers", "elastic4w1", [("straight", 5)]),  # past the new grid's per-rank length (litdata refused)
@@ -215,8 +219,9 @@ def _samples(run: dict, steps: list[int]) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize(("name", "run", "lineage"), ELASTIC, ids=[f"{c}-{r}" for c, r, _ in ELASTIC])
 def test_a_stream_resumed_on_another_grid_trains_each_remaining_sample_once_with_its_own_bits(runs, name, run, lineage):
-    if name.startswith("litdata") and not installed("litdata"):
-        pytest.skip("needs litdata (pip install -e '.[streaming]')")
+    for prefix, module in (("litdata", "litdata"), ("hf", "datasets")):
+        if name.startswith(prefix) and not installed(module):
+            pytest.skip(f"needs {module} (pip install -e '.[streaming]')")
     root = runs[0] / name
     straight = result(root / "straight")
     per_epoch = steps_per_epoch({})
@@ -237,7 +242,7 @@ def test_a_stream_resumed_on_another_grid_trains_each_remaining_sample_once_with
     assert all(first_epoch[i] == crc for i, crc in rest)  # each sample bit for bit (its worker-drawn noise too)
     following = _samples(resumed, [s for s in steps if s > step])
     assert sorted(i for i, _ in following) == list(range(N))  # the next epoch, on the new grid: whole
-    said = "resumes on another grid" if name.startswith("plain") else "litdata restripes the rest of the epoch"
+    said = "litdata restripes the rest of the epoch" if name.startswith("litdata") else "resumes on another grid"
     assert said in " ".join(runs[1].split())
 
 
