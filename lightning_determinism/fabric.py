@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
@@ -43,6 +44,7 @@ from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.topology import Topology
+from lightning_determinism.tree import PairwiseAllReduce
 
 
 class DeterministicFabricStrategyMixin(SeedingProperties):
@@ -143,8 +145,17 @@ class DeterministicFabricDDPStrategy(DeterministicFabricStrategyMixin, DDPStrate
     """Fabric's ``DDPStrategy`` with the seeding contract.
 
     Registered in Fabric as ``ddp_deterministic`` (popen), ``ddp_spawn_deterministic``, ``ddp_fork_deterministic``
-    and ``ddp_notebook_deterministic``.
+    and ``ddp_notebook_deterministic``. On more than two processes the gradient buckets are reduced over a fixed tree
+    of two-process all-reduces (:class:`~lightning_determinism.tree.PairwiseAllReduce`): the sums do not depend on
+    DDP's bucket layout, which a module set up again (a resumed loop) rebuilds.
     """
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
+        ddp = super().setup_module(module)
+        if self.world_size > 2:
+            ddp.register_comm_hook(None, PairwiseAllReduce(self.world_size, self.global_rank).reduce)  # type: ignore[arg-type]
+        return ddp
 
 
 class DeterministicFabricFSDPStrategy(DeterministicFabricStrategyMixin, FSDPStrategy):

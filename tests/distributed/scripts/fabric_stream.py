@@ -5,8 +5,8 @@ python fabric_stream.py OUT K SOURCES   # per source (plain,litdata): the whole 
                                         # and loader resumed from step K (OUT/SOURCE/chain/r1)
 
 Sources: plain (stream_run's generator, replayed), litdata (a StreamingDataLoader). Environment: WORKERS, EPOCHS,
-LITDATA_DIR. Rank 0 writes OUT/result.json: the sample ids of every step on every rank, the synced loss, and
-fingerprints of the final parameters and optimizer state.
+DEVICES (2, or 4: more than two ranks), LITDATA_DIR. Rank 0 writes OUT/result.json: the sample ids of every step on
+every rank, the synced loss, and fingerprints of the final parameters and optimizer state.
 """
 
 import json
@@ -29,11 +29,12 @@ from lightning_determinism import DeterministicFabricDDPStrategy, FabricRNGState
 SOURCE = os.environ.get("SOURCE", "plain")
 WORKERS = int(os.environ.get("WORKERS", "2"))
 EPOCHS = int(os.environ.get("EPOCHS", "2"))
+DEVICES = int(os.environ.get("DEVICES", "2"))
 
 
 def main(root: Path, k: int, sources: list[str]) -> None:
     global SOURCE
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=DeterministicFabricDDPStrategy(seed=11))
+    fabric = L.Fabric(accelerator="cpu", devices=DEVICES, strategy=DeterministicFabricDDPStrategy(seed=11))
     fabric.launch()
     for SOURCE in sources:
         run(fabric, root / SOURCE / "straight", None)
