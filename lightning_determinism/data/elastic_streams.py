@@ -44,17 +44,22 @@ LAYOUT = ("world", "num_workers", "batch_size", "drop_last")
 """What a stream's grid is made of; a resume on another one is elastic."""
 
 
-class Grid:
+class Layout:
+    """A grid's shape from one (rank, worker)'s point of view: what :func:`share` deals by."""
+
+    def __init__(self, world: int, workers: int, batch_size: int, drop_last: bool) -> None:
+        self.world, self.workers, self.batch_size, self.drop_last = world, workers, batch_size, drop_last
+
+
+class Grid(Layout):
     """The (rank, worker) streams of one epoch on the grid a checkpoint was written on (its ranks' positions)."""
 
     def __init__(self, positions: list[dict[str, Any]]) -> None:
         first = positions[0]
+        workers, batch_size = int(first["workers"]), int(first.get("batch_size") or 1)
+        super().__init__(len(positions), workers, batch_size, bool(first.get("drop_last", False)))
         self.positions = positions
-        self.world = len(positions)
-        self.workers = int(first["workers"])
-        self.num_workers = int(first.get("num_workers", self.workers))
-        self.batch_size = int(first.get("batch_size") or 1)
-        self.drop_last = bool(first.get("drop_last", False))
+        self.num_workers = int(first.get("num_workers", workers))
         origin = first.get("origin")
         self.origin = Grid(origin) if origin else None
 
@@ -205,14 +210,7 @@ def remaining(dataset: Any, base: int, epoch: int, grid: Grid, checks: Checks) -
         ranks = alive
 
 
-class Layout:
-    """A grid's shape from one (rank, worker)'s point of view: what :func:`share` deals by."""
-
-    def __init__(self, world: int, workers: int, batch_size: int, drop_last: bool) -> None:
-        self.world, self.workers, self.batch_size, self.drop_last = world, workers, batch_size, drop_last
-
-
-def share(items: Iterator[Any], rank: int, grid: Grid | Layout, worker: int, checks: Checks) -> Iterator[Any]:
+def share(items: Iterator[Any], rank: int, grid: Layout, worker: int, checks: Checks) -> Iterator[Any]:
     """The items of ``items`` that (``rank``, ``worker``) of ``grid`` consumes.
 
     Every ``world``-th from ``rank``, in batches dealt round-robin to the workers (the module notes say what happens
