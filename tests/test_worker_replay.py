@@ -72,3 +72,15 @@ def test_the_users_worker_init_fn_gets_the_id_of_the_worker_whose_role_it_takes(
     list(resumed)
     assert roles.tolist() == [1, 0]  # batch 1 was worker 1's: the new worker 0 serves it
     assert type(resumed.worker_init_fn).__name__ == "_SeedWorker"  # the role wrapper was only there at creation
+
+
+def test_the_role_taking_worker_init_fn_survives_pickling_for_spawned_workers():
+    import pickle
+
+    from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay
+
+    data = loader("WorkerSeedCallback")
+    replay = WorkerReplay(3, 2, [[0, 1, 2], [3, 4, 5], [6, 7, 8]], data.collate_fn, batched=True)
+    again = pickle.loads(pickle.dumps(RoleWorkerInit(data.worker_init_fn, replay)))  # what a spawn context sends
+    assert [again.plan.role(w) for w in (0, 1)] == [1, 0] and again.plan.batches[1::2] == [[3, 4, 5]]
+    assert type(again.inner).__name__ == "_SeedWorker" and again.inner.base_seed == 3
