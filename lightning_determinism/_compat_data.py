@@ -18,6 +18,7 @@ from lightning_determinism._compat import (
     _remove_worker_pids,
 )
 from lightning_determinism._compat import worker_module as _worker_module
+from lightning_determinism.seeding import _rank_and_world_size
 
 
 def loader_iterator(loader: Any) -> Any:
@@ -133,17 +134,10 @@ def litdata_state_for(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
     inner = state.get("dataset")
     if not isinstance(inner, dict) or "sample_in_epoch" not in inner:
         return state
-    world = _world_size()
-    here = (world, int(loader.num_workers or 1), int(loader.batch_size or 1))
+    here = (_rank_and_world_size()[1], int(loader.num_workers or 1), int(loader.batch_size or 1))
     if (inner.get("world_size"), inner.get("num_workers"), inner.get("batch_size")) == here:
         return state
     return {**state, "dataset": {**inner, "num_samples_yielded": 0}}
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def hf_node(dataset: Any) -> Any:

@@ -11,8 +11,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
-
 from lightning_determinism.data.elastic_streams import LAYOUT, layout_of
 from lightning_determinism.data.streams import (
     IsolatedStreams,
@@ -23,7 +21,7 @@ from lightning_determinism.data.streams import (
     TagCollate,
 )
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.seeding import current_seeds
+from lightning_determinism.seeding import _rank_and_world_size, current_seeds
 
 
 def stream_plan(loader: Any, trainer: Any) -> StreamPlan:
@@ -34,7 +32,7 @@ def stream_plan(loader: Any, trainer: Any) -> StreamPlan:
         if trainer is not None:
             rank = int(trainer.global_rank)
         else:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = _rank_and_world_size()[0]
         plan = StreamPlan(0 if base is None else int(base), rank)
         loader._ldet_stream_plan = plan
         loader._ldet_isolated = IsolatedStreams()
@@ -102,9 +100,7 @@ def _resume_plan(
 
 
 def _world(trainer: Any) -> int:
-    if trainer is not None:
-        return int(trainer.world_size)
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return int(trainer.world_size) if trainer is not None else _rank_and_world_size()[1]
 
 
 def create_stream_iterator(
