@@ -244,8 +244,12 @@ class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
                 hook = PairwiseAllReduce(self.world_size, self.global_rank)
                 self.model.register_comm_hook(None, hook.reduce)  # type: ignore[union-attr,operator]
             return
-        # The invariant mode sums gradients itself, over a fixed tree: DDP's float all-reduce must not run.
+        # The invariant mode sums gradients itself, over a fixed tree: DDP's float all-reduce must not run. Its
+        # reducer is switched off for every micro-batch (as `no_sync` does for all but the last one): it would copy
+        # every gradient into its buckets and back for nothing. The hook stays as a guard should anything turn the
+        # reducer on again.
         self.model.register_comm_hook(None, keep_local_gradients)  # type: ignore[union-attr,operator]
+        self.model.require_backward_grad_sync = False  # type: ignore[union-attr]
 
 
 class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):
