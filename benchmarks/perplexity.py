@@ -38,7 +38,8 @@ from torchmetrics.text import Perplexity
 
 from lightning_determinism import DistributedPerplexity
 from lightning_determinism.exact import exact_sum
-from lightning_determinism.metrics._nll import token_nll
+from lightning_determinism.metrics._native import CACHE_ENV
+from lightning_determinism.metrics._nll import NATIVE_ENV, token_nll
 
 
 def _batch(gen: torch.Generator, tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +91,21 @@ def accuracy(total_tokens: int, vocab: int = 16, per_update: int = 65_537) -> No
     _table(rows)
 
 
+class _InductorPerplexity(DistributedPerplexity):
+    """The compiled path on Inductor's kernel (the C kernel switched off around each update)."""
+
+    def update(self, *args, **kwargs):  # type: ignore[override]
+        before = os.environ.get(NATIVE_ENV)
+        os.environ[NATIVE_ENV] = "0"
+        try:
+            return super().update(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[NATIVE_ENV]
+            else:
+                os.environ[NATIVE_ENV] = before
+
+
 def _float32_row_sum_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The ablation: the metric's formula with each row's exponentials summed in float32 (as before 0.1.0)."""
     top = logits.amax(dim=-1, keepdim=True)
@@ -100,6 +116,7 @@ def _float32_row_sum_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
 def lm_like_accuracy(total_tokens: int, vocab: int = 32_000, per_update: int = 4_096, scale: float = 6.0) -> None:
     gen = torch.Generator().manual_seed(2)
     compiled, eager, theirs = DistributedPerplexity(compile=True), DistributedPerplexity(compile=False), Perplexity()
+    inductor = _InductorPerplexity(compile=True)
     ref_terms: list[float] = []
     our_terms: list[float] = []
     f32_terms: list[float] = []
@@ -112,6 +129,7 @@ def lm_like_accuracy(total_tokens: int, vocab: int = 32_000, per_update: int = 4
         u = torch.rand(n, 1, dtype=torch.float64, generator=gen) * cdf[:, -1:]
         target = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=vocab - 1)
         compiled.update(logits, target)
+        inductor.update(logits, target)
         eager.update(logits, target)
         theirs.update(logits[None], target[None])
         ref_terms.append(-math.fsum(reference.gather(-1, target[:, None]).squeeze(-1).tolist()))
@@ -130,20 +148,22 @@ def lm_like_accuracy(total_tokens: int, vocab: int = 32_000, per_update: int = 4
             f"{abs(float(compiled.nll_sum) - math.fsum(our_terms)) / math.fsum(our_terms):.2e}",
             "",
             "",
+            "",
         ),
         (
             "(b) perplexity vs float64 reference, rel. error (<= 1e-9)",
             rel(float(compiled.compute())),
+            rel(float(inductor.compute())),
             rel(float(eager.compute())),
             rel(float(theirs.compute())),
         ),
-        ("    ablation: the same with float32 row sums, rel. error", rel(f32_ppl), "", ""),
+        ("    ablation: the same with float32 row sums, rel. error", rel(f32_ppl), "", "", ""),
     ]
     print(
         f"\n1b. LM-like logits (std {scale:g}, targets drawn from the model), {total_tokens:,} tokens, V={vocab:,};"
         f" reference perplexity {ref_ppl:.12f}"
     )
-    _table(rows, ("ours compiled", "ours eager", "torchmetrics"))
+    _table(rows, ("ours C kernel", "ours Inductor", "ours eager", "torchmetrics"))
 
 
 def _medians(metrics: dict[str, object], logits: torch.Tensor, target: torch.Tensor, repeats: int) -> dict[str, float]:
@@ -184,10 +204,11 @@ print(json.dumps({"first": first, "other_length": other}))
 """
 
 
-def _first_update(cache_dir: str | None) -> dict[str, float]:
+def _first_update(cache_dir: str | None, native: bool) -> dict[str, float]:
     env = dict(os.environ)
+    env[NATIVE_ENV] = "1" if native else "0"
     if cache_dir is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        env["TORCHINDUCTOR_CACHE_DIR" if not native else CACHE_ENV] = cache_dir
     out = subprocess.run([sys.executable, "-c", _FIRST_UPDATE_CHILD], capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
@@ -198,7 +219,8 @@ def throughput(vocab: int = 32_000, tokens: int = 4_096, repeats: int = 15) -> N
     gen = torch.Generator().manual_seed(1)
     logits, target = _batch(gen, tokens, vocab)
     metrics = {
-        "compiled": DistributedPerplexity(compile=True),
+        "C kernel": DistributedPerplexity(compile=True),
+        "Inductor": _InductorPerplexity(compile=True),
         "eager": DistributedPerplexity(compile=False),
         "torchmetrics": Perplexity(),
     }
@@ -211,9 +233,11 @@ def throughput(vocab: int = 32_000, tokens: int = 4_096, repeats: int = 15) -> N
     finally:
         hog.kill()
         hog.wait()
-    with tempfile.TemporaryDirectory() as cold_dir:
-        cold = _first_update(cold_dir)
-    warm = _first_update(None)
+    first = {}
+    for native in (True, False):
+        with tempfile.TemporaryDirectory() as cold_dir:
+            first[native, "cold"] = _first_update(cold_dir, native)
+        first[native, "warm"] = _first_update(None, native)
     print(f"\n2. update throughput, V={vocab:,}, {tokens:,} tokens/update, float32, {torch.get_num_threads()} threads")
     rows = []
     # Interleaved, every update of ours follows one of torchmetrics', whose 524 MB softmax output has just evicted
@@ -226,9 +250,23 @@ def throughput(vocab: int = 32_000, tokens: int = 4_096, repeats: int = 15) -> N
         rows.append(
             (f"{label}: speed-up over torchmetrics ({target_note})", *(f"{tm / figures[k]:.2f}x" for k in metrics))
         )
-    rows.append(("first update in a fresh process, Inductor cache cold (compiles)", f"{cold['first']:.1f} s", "", ""))
-    rows.append(("first update in a fresh process, Inductor cache warm", f"{warm['first']:.1f} s", "", ""))
-    rows.append(("then a new sequence length (1,000 tokens): no recompile", f"{warm['other_length']:.3f} s", "", ""))
+    for state, what in (("cold", "cache cold (compiles)"), ("warm", "cache warm")):
+        rows.append(
+            (
+                f"first update in a fresh process, {what}",
+                *(f"{first[n, state]['first']:.2f} s" for n in (True, False)),
+                "",
+                "",
+            )
+        )  # noqa: E501
+    rows.append(
+        (
+            "then a new sequence length (1,000 tokens): no recompile",
+            *(f"{first[n, 'warm']['other_length']:.3f} s" for n in (True, False)),
+            "",
+            "",
+        )
+    )  # noqa: E501
     _table(rows, tuple(metrics))
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_determinism import DistributedMean, DistributedPerplexity
-from lightning_determinism.metrics._nll import KERNEL, token_nll
+from lightning_determinism.metrics._nll import KERNEL, NATIVE_ENV, token_nll
 from tests.helpers import require_compiled_kernel
 
 N_SAMPLES, LENGTH, VOCAB = 997, 6, 257
@@ -30,12 +30,15 @@ def evaluate(indices: list[int], batch_size: int, compile: bool, seed: int = 0):
     return ppl, mean
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["eager", "compiled"])
+@pytest.fixture(scope="module", params=["eager", "native", "inductor"])
 def path(request):
-    if request.param:
-        evaluate(list(range(4)), 4, True)  # compile once for the module (and for forked ranks that follow)
-        require_compiled_kernel()
-    return request.param
+    """The three kernels: eager, the C kernel (float32 on CPU) and Inductor's (its fallback, and float64's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(NATIVE_ENV, "0" if request.param == "inductor" else "1")
+        if request.param != "eager":
+            evaluate(list(range(4)), 4, True)  # compile once for the module (and for forked ranks that follow)
+            require_compiled_kernel()
+        yield request.param != "eager"
 
 
 def test_batch_sizes_1_7_32_give_the_same_bits(path):
@@ -53,14 +56,14 @@ def test_shuffled_order_gives_the_same_bits(path):
     assert torch.equal(straight.compute(), shuffled.compute())
 
 
-def test_one_row_alone_equals_the_same_row_in_a_batch_on_1_and_2_threads(path):
+def test_one_row_alone_equals_the_same_row_in_a_batch_on_1_2_and_4_threads(path):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(40, 5000, generator=gen) * 4  # rows long enough for torch to split one across threads
     ids = torch.randint(5000, (40,), generator=gen)
     threads = torch.get_num_threads()
     try:
         batched = token_nll(logits, ids, compiled=path)
-        for n in (1, 2):
+        for n in (1, 2, 4):  # 4: more threads than rows' blocks of the C kernel, each claiming what it can
             torch.set_num_threads(n)
             alone = torch.cat([token_nll(logits[i : i + 1], ids[i : i + 1], compiled=path) for i in range(40)])
             assert torch.equal(alone, batched)
@@ -68,12 +71,16 @@ def test_one_row_alone_equals_the_same_row_in_a_batch_on_1_and_2_threads(path):
         torch.set_num_threads(threads)
 
 
-def test_compiled_and_eager_paths_agree_to_float32_rounding():
-    # Two exp() implementations (numpy's and Inductor's) each within an ulp of float32: ~1e-9 on the mean NLL.
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "inductor"])
+def test_compiled_and_eager_paths_agree_to_float32_rounding(monkeypatch, native):
+    # Three exp() implementations (numpy's, Inductor's, the C kernel's) each within an ulp of float32: ~1e-9 on the
+    # mean NLL.
+    monkeypatch.setenv(NATIVE_ENV, native)
     eager, _ = evaluate(list(range(200)), 32, False)
     compiled, _ = evaluate(list(range(200)), 32, True)
     require_compiled_kernel()  # after the attempt: a failed compile falls back to the eager path, which would agree
     assert torch.isclose(eager.compute(), compiled.compute(), rtol=1e-8, atol=0)
+    assert not torch.equal(eager.compute(), compiled.compute())  # really another kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -101,6 +108,7 @@ def test_a_compile_failure_warns_once_and_falls_back_to_the_eager_values(monkeyp
 
     monkeypatch.setattr(_nll, "KERNEL", _nll._CompiledKernel())
     monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setenv(NATIVE_ENV, "0")  # the C kernel's own fallback: tests/test_perplexity_native.py
     logits, target = torch.randn(3, 4, VOCAB), torch.randint(VOCAB, (3, 4))
     with pytest.warns(DeterminismWarning, match="compiling the perplexity kernel failed .*no working C\\+\\+ compiler"):
         first = perplexity(logits, target, compile=True)
