@@ -8,8 +8,9 @@ two-process ``all_reduce`` -- a single addition per element, and ``a + b == b + 
 parent. After ``log2(W)`` levels every process holds the root: exactly the sum one process computes on its own.
 
 Sums are taken in the gradients' own dtype (float32): the tree's error grows with ``log2(M)``, not with ``M`` as the
-sequential accumulation of DDP does (``benchmarks/invariance.py`` measures both against float64). Buffers are
-allocated once: ``log2(K) + 1`` flat vectors of the gradient's size.
+sequential accumulation of DDP does (``benchmarks/invariance.py`` measures both against float64). The sums live in
+the gradient tensors autograd allocated (at most ``log2(K) + 1`` sets at once); only buckets of several small
+parameters are copied into a flat vector for their communication.
 
 This module is a leaf: it knows ``torch.distributed``, not Lightning.
 """
@@ -82,11 +83,17 @@ def pair_groups(world_size: int) -> list[dict[int, object]]:
 class GradientTree:
     """One process's part of the fixed tree over an optimizer step's micro-batch gradients.
 
+    The tree is kept per parameter, in the gradient tensors autograd allocated: a leaf takes each parameter's
+    ``.grad`` (and clears it, so that the next backward allocates a new one), and a right child is added in place
+    into its left sibling. Nothing is copied, except the buckets of several small parameters, which are gathered
+    into one flat vector for their ``all_reduce``.
+
     Args:
         parameters: the parameters whose gradients are summed, in a fixed order.
         leaves: ``K``, this process's micro-batches per step (a power of two).
         groups: :func:`pair_groups` of the world (empty for one process).
         rank: this process's rank.
+        bucket_bytes: gradient bytes per bucket of communication.
 
     Examples:
         >>> p = torch.nn.Parameter(torch.zeros(2))
@@ -109,47 +116,38 @@ class GradientTree:
     ) -> None:
         self.parameters = list(parameters)
         self.leaves, self.groups, self.rank = leaves, groups, rank
-        self.numel = sum(p.numel() for p in self.parameters)
-        self._buffers: list[Tensor] = []
-        self._stack: list[tuple[int, Tensor]] = []
-        self._result: Tensor | None = None
+        self._stack: list[tuple[int, list[Tensor]]] = []
         self.added = 0
-        self._offsets = [0]
-        for p in self.parameters:
-            self._offsets.append(self._offsets[-1] + p.numel())
         self._buckets = _buckets(self.parameters, bucket_bytes)
         self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
-        # The overlapped last leaf (see arm()): its buffer, what each bucket still waits for, the hooks, the handles.
-        self._leaf: Tensor | None = None
+        self._staging: dict[int, Tensor] = {}  # flat vectors of the buckets of several parameters
+        # The overlapped last leaf (see arm()): what each bucket still waits for, the sums it closed per parameter,
+        # the tensor each bucket reduces, the hooks, the started all_reduce handles.
         self._pending: list[int] = []
+        self._final: list[Tensor] = []
         self._roots: list[Tensor | None] = []
         self._hooks: list[Any] = []
         self._handles: list[Any] = []
 
-    def _buffer(self) -> Tensor:
-        in_use = {id(buffer) for _, buffer in self._stack}
-        for buffer in self._buffers:
-            if id(buffer) not in in_use:
-                return buffer
-        first = self.parameters[0]
-        buffer = torch.empty(self.numel, dtype=first.dtype, device=first.device)
-        self._buffers.append(buffer)
-        return buffer
+    def _take(self, index: int) -> Tensor:
+        """Parameter ``index``'s gradient, from now on the tree's; a parameter without one contributes zeros."""
+        p = self.parameters[index]
+        grad = p.grad
+        p.grad = None
+        return torch.zeros_like(p) if grad is None else grad
 
     def arm(self) -> None:
         """Overlap the coming micro-batch, the step's last, with the first level of communication.
 
-        Each bucket of parameters (contiguous in the flat order, filled in the backward's order) is added into the
-        tree and its ``all_reduce`` with the partner process started as soon as the backward has produced all its
-        gradients, while the backward goes on with the next ones (as DDP's buckets do). The additions and their order
-        are those of :meth:`add_leaf`: the bits do not change. Without other processes there is nothing to overlap.
+        Each bucket of parameters (filled in the backward's order) is added into the tree and its ``all_reduce``
+        with the partner process started as soon as the backward has produced all its gradients, while the backward
+        goes on with the next ones (as DDP's buckets do). The additions and their order are those of
+        :meth:`add_leaf`: the bits do not change. Without other processes there is nothing to overlap.
         """
         if not self.groups or self._hooks or self.added != self.leaves - 1:
             return
-        # The last leaf is a right child (K is a power of two): its gradients are added straight into its left
-        # sibling, the subtree on top of the stack. Only a single leaf per process (K = 1) needs a buffer of its own.
-        self._leaf = None if self._stack and self._stack[-1][0] == 0 else self._buffer()
         self._pending = [len(members) for members in self._buckets]
+        self._final = [torch.empty(0)] * len(self.parameters)
         self._roots = [None] * len(self._buckets)
         for index, p in enumerate(self.parameters):
             self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._ready, index)))
@@ -167,60 +165,71 @@ class GradientTree:
             self._flush(bucket)
 
     def _flush(self, bucket: int) -> None:
-        """Add one bucket's gradients as the last leaf's part and start the bucket's first-level ``all_reduce``."""
+        """Add one bucket's gradients as the last leaf and start the bucket's first-level ``all_reduce``."""
         self._pending[bucket] = -1  # done
-        members = self._buckets[bucket]
-        start, end = self._offsets[members[0]], self._offsets[members[-1] + 1]
-        if self._leaf is None:  # straight into the left sibling (see arm)
-            _add_gradients(self.parameters, members, self._offsets, self._stack[-1][1])
-            level, value, below = 1, self._stack[-1][1][start:end], self._stack[:-1]
-        else:
-            for i in members:
-                p, part = self.parameters[i], self._leaf[self._offsets[i] : self._offsets[i + 1]]
-                if p.grad is None:
-                    part.zero_()
-                else:
-                    part.copy_(p.grad.reshape(-1))
-            level, value, below = 0, self._leaf[start:end], self._stack
-        # The last leaf closes every open subtree: the same in-place additions as add_leaf, on this slice only.
-        for entry_level, left in reversed(below):
-            if entry_level != level:
-                break
-            value = left[start:end].add_(value)
-            level += 1
-        self._roots[bucket] = value
+        for i in self._buckets[bucket]:
+            # The last leaf closes every open subtree: the same in-place additions as add_leaf, on this parameter.
+            value, level = self._take(i), 0
+            for entry_level, left in reversed(self._stack):
+                if entry_level != level:
+                    break
+                value = left[i].add_(value)  # left + right, in place in the left subtree's tensor
+                level += 1
+            self._final[i] = value
+        self._roots[bucket] = self._gather(bucket, self._final)
         # Collectives start in bucket order on every process (as DDP's do), whatever order the buckets filled in.
         while len(self._handles) < len(self._buckets) and self._roots[len(self._handles)] is not None:
             root = self._roots[len(self._handles)]
             self._handles.append(dist.all_reduce(root, group=self.groups[0][self.rank], async_op=True))
+
+    def _gather(self, bucket: int, sums: Sequence[Tensor]) -> Tensor:
+        """What carries ``bucket`` through its ``all_reduce``: a lone parameter's own sum, else a flat copy."""
+        members = self._buckets[bucket]
+        if len(members) == 1 and sums[members[0]].is_contiguous():
+            return sums[members[0]]
+        flat = self._staging.get(bucket)
+        if flat is None:
+            first = self.parameters[members[0]]
+            numel = sum(self.parameters[i].numel() for i in members)
+            flat = self._staging[bucket] = torch.empty(numel, dtype=first.dtype, device=first.device)
+        offset = 0
+        for i in members:
+            n = self.parameters[i].numel()
+            flat[offset : offset + n].view(self.parameters[i].shape).copy_(sums[i])
+            offset += n
+        return flat
+
+    def _scatter(self, bucket: int, reduced: Tensor | None, sums: Sequence[Tensor], divide_by: int) -> None:
+        """Divide a bucket's reduced sums exactly and set them as the gradients, each in its parameter's tensor.
+
+        ``reduced`` is what :meth:`_gather` gave (``None`` without other processes: the sums are in place).
+        """
+        flat = reduced if reduced is not None and reduced is self._staging.get(bucket) else None
+        offset = 0
+        for i in self._buckets[bucket]:
+            p, total = self.parameters[i], sums[i]
+            if flat is not None:  # a flat copy: back into the parameter's own tensor
+                part = flat[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                if divide_by == 1:
+                    total.copy_(part)
+                else:
+                    torch.div(part, divide_by, out=total)  # a power of two: exact
+            elif divide_by != 1:
+                total.div_(divide_by)
+            p.grad = total
 
     def add_leaf(self) -> None:
         """Take the parameters' current gradients as the next leaf (and clear them for the next micro-batch)."""
         if self._hooks:
             self._add_overlapped_leaf()
             return
-        if self._stack and self._stack[-1][0] == 0:  # a right child: added straight into its left sibling
-            _, value = self._stack.pop()
-            _add_gradients(self.parameters, range(len(self.parameters)), self._offsets, value)
-            for p in self.parameters:
-                p.grad = None
-            level = 1
-        else:
-            leaf = self._buffer()
-            offset = 0
-            for p in self.parameters:
-                n = p.numel()
-                if p.grad is None:
-                    leaf[offset : offset + n].zero_()
-                else:
-                    leaf[offset : offset + n].copy_(p.grad.reshape(-1))
-                    p.grad = None
-                offset += n
-            level, value = 0, leaf
+        value, level = [self._take(i) for i in range(len(self.parameters))], 0
         while self._stack and self._stack[-1][0] == level:
             _, left = self._stack.pop()
-            value = left.add_(value)  # left + right, in place in the left subtree's buffer
-            level += 1
+            for a, b in zip(left, value, strict=True):
+                a.add_(b)  # left + right, in place in the left subtree's tensors
+            value, level = left, level + 1
         self._stack.append((level, value))
         self.added += 1
 
@@ -230,15 +239,9 @@ class GradientTree:
         for bucket, pending in enumerate(self._pending):
             if pending != -1:
                 self._flush(bucket)
-        for p in self.parameters:
-            p.grad = None
-        level, root = 0, self._leaf
-        while self._stack and self._stack[-1][0] == level:
-            _, root = self._stack.pop()
-            level += 1
-        assert root is not None
-        self._stack.append((level, root))
-        self._leaf = None
+        level = self._stack[0][0] + 1 if self._stack else 0  # K - 1 leaves stacked as K/2, K/4, ..., 1: one level up
+        self._stack = [(level, self._final)]
+        self._final = []
         self.added += 1
 
     def finish(self, divide_by: int) -> None:
@@ -251,38 +254,21 @@ class GradientTree:
             raise RuntimeError(
                 f"the gradient tree took {self.added} micro-batches in this step, expected {self.leaves}"
             )
-        _, root = self._stack.pop()
-        levels = self.groups
-        if self._handles:  # the first level ran bucket by bucket during the backward
-            for handle in self._handles:
-                handle.wait()
-            self._handles = []
-            levels = self.groups[1:]
-        for groups in levels:
-            dist.all_reduce(root, group=groups[self.rank])  # two processes: one addition, commutative
-        if self._result is None:
-            self._result = torch.empty_like(root)
-        torch.div(root, divide_by, out=self._result)  # a power of two: exact
-        offset = 0
-        for p in self.parameters:
-            n = p.numel()
-            p.grad = self._result[offset : offset + n].view(p.shape)
-            offset += n
+        _, sums = self._stack.pop()
+        handles, self._handles = self._handles, []
+        levels = self.groups[1:] if handles else self.groups  # the first level ran during the backward
+        for bucket in range(len(self._buckets)):
+            reduced = None
+            if handles:
+                handles[bucket].wait()
+                reduced = self._roots[bucket]
+            elif self.groups:
+                reduced = self._gather(bucket, sums)
+            for groups in levels:  # two processes per level: one addition, commutative
+                dist.all_reduce(reduced, group=groups[self.rank])  # type: ignore[arg-type]
+            self._scatter(bucket, reduced, sums, divide_by)
+        self._roots = []
         self.added = 0
-
-
-def _add_gradients(parameters: Sequence[torch.nn.Parameter], members: Any, offsets: list[int], left: Tensor) -> None:
-    """``left += grad`` for each parameter of ``members``, on its slice of the flat vector.
-
-    The tree's addition of a right child into its left sibling, without copying the child first (a missing gradient
-    adds zeros, as a zeroed copy would: ``-0.0 + 0.0`` is ``+0.0``).
-    """
-    for i in members:
-        part, grad = left[offsets[i] : offsets[i + 1]], parameters[i].grad
-        if grad is None:
-            part.add_(0.0)
-        else:
-            part.add_(grad.reshape(-1))
 
 
 class PairwiseAllReduce:
