@@ -196,7 +196,7 @@ def reseed(number: int = 20_000) -> None:
 
     import numpy as np
 
-    from lightning_determinism.invariant import micro_batch_seed, reseed_for_micro_batch
+    from lightning_determinism.invariant import MicroBatchSeeds, micro_batch_seed, reseed_for_micro_batch
     from lightning_determinism.seeding import _key_words
 
     def numpy_seed(*keys) -> int:
@@ -207,17 +207,23 @@ def reseed(number: int = 20_000) -> None:
         return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
 
     step = iter(range(10**9))
+    seeds = MicroBatchSeeds(42)  # what the invariant mode calls: the step's hash state kept between micro-batches
 
-    def new_step_reseed() -> None:  # micro-batch 0 of a new step: the step's prefix is not cached yet
+    def new_step_derive() -> None:  # micro-batch 0 of a new step: the step's prefix is not cached yet
         reseed_for_micro_batch(micro_batch_seed(42, next(step), 0))
+
+    def new_step_reseed() -> None:
+        reseed_for_micro_batch(seeds(next(step), 0))
 
     rows = [
         ("numpy SeedSequence (derive_seed before)", lambda: numpy_seed(42, "micro-batch", 7, 3)),
         ("derive_seed, cached step prefix", lambda: micro_batch_seed(42, 7, 3)),
-        ("reseed, later micro-batch of a step", lambda: reseed_for_micro_batch(micro_batch_seed(42, 7, 3))),
+        ("derive_seed + reseed, first micro-batch of a step", new_step_derive),
+        ("MicroBatchSeeds, later micro-batch of a step", lambda: seeds(7, 3)),
+        ("reseed, later micro-batch of a step", lambda: reseed_for_micro_batch(seeds(7, 3))),
         ("reseed, first micro-batch of a new step", new_step_reseed),
     ]
-    print("\n3. per-micro-batch reseed (derive_seed + CPU generator), per call; target <= 5 us")
+    print("\n3. per-micro-batch reseed (seed + CPU generator), per call; target <= 5 us")
     for name, fn in rows:
         print(f"   {name:44s}{per_call(fn):>8.2f} us")
 
