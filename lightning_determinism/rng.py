@@ -163,10 +163,11 @@ class RNGStatesTracker:
         Raises:
             RuntimeError: on entering, if ``name`` is not tracked.
         """
-        fork = self._forks.get(name)
-        if fork is None:
+        try:
+            return self._forks[name]
+        except KeyError:  # the first fork of this name (a subscript is cheaper than .get() on every later one)
             fork = self._forks[name] = _Fork(self, name)
-        return fork
+            return fork
 
     def get_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every stream's state and seed, as tensors (checkpoint-safe)."""
