@@ -112,3 +112,18 @@ def test_a_build_failure_warns_once_and_falls_back_to_inductors_values(monkeypat
         second = token_nll(logits, ids, compiled=True)  # warned once per process
     assert torch.equal(first, inductor) and torch.equal(second, inductor)
     assert not torch.equal(first, token_nll(logits, ids, compiled=False))  # Inductor's, not the eager values
+
+
+def test_a_cached_file_that_does_not_load_is_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv(_native.CACHE_ENV, str(tmp_path))
+    compiler = _native._compiler()
+    import subprocess
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    target = tmp_path / _native.library_path(compiler, version, _native._flag_sets()[0]).split("/")[-1]
+    target.write_bytes(b"not a library")  # a truncated write of an older release, say
+    lib = _native.build()
+    x, ids = torch.randn(3, 40), torch.tensor([1, 2, 3])
+    top, sums, picked = torch.empty(3), torch.empty(3, dtype=torch.float64), torch.empty(3)
+    lib.ldet_row_stats(x.data_ptr(), ids.data_ptr(), 3, 40, 1, top.data_ptr(), sums.data_ptr(), picked.data_ptr())
+    assert torch.equal(top, x.amax(-1)) and target.read_bytes() != b"not a library"

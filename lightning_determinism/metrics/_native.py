@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from typing import Any
 
 import torch
@@ -199,8 +200,33 @@ def cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"lightning_determinism-{user}")
 
 
+def library_path(compiler: str, version: str, flags: list[str]) -> str:
+    """Where the library built by ``compiler`` (its ``--version`` text) with ``flags`` for this CPU is cached."""
+    key = hashlib.sha256("\0".join([SOURCE, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
+    return os.path.join(cache_dir(), f"row_stats_{key[:24]}.so")
+
+
+def _compile(compiler: str, flags: list[str], target: str) -> str | None:
+    """Build the library into ``target``; the compiler's message on failure."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    source = f"{target[:-3]}_{os.getpid()}_{threading.get_ident()}.c"
+    partial = f"{source}.so"
+    with open(source, "w") as f:
+        f.write(SOURCE)
+    try:
+        done = subprocess.run([compiler, *flags, source, "-o", partial], capture_output=True, text=True)
+    finally:
+        os.remove(source)
+    if done.returncode != 0:
+        return " ".join(done.stderr.split())[:300]
+    os.replace(partial, target)  # atomic: processes building at once each install a whole library
+    return None
+
+
 def build() -> ctypes.CDLL:
     """Compile (or find in the cache) and load the kernel.
+
+    A cached file that does not load (truncated, another architecture's) is built again.
 
     Raises:
         RuntimeError: no C compiler on the ``PATH``, or it failed (its message included).
@@ -211,22 +237,20 @@ def build() -> ctypes.CDLL:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     errors = []
     for flags in _flag_sets():
-        key = hashlib.sha256("\0".join([SOURCE, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
-        directory = cache_dir()
-        target = os.path.join(directory, f"row_stats_{key[:24]}.so")
+        target = library_path(compiler, version, flags)
         if not os.path.exists(target):
-            os.makedirs(directory, exist_ok=True)
-            source = os.path.join(directory, f"row_stats_{key[:24]}_{os.getpid()}.c")
-            partial = f"{source}.so"
-            with open(source, "w") as f:
-                f.write(SOURCE)
-            done = subprocess.run([compiler, *flags, source, "-o", partial], capture_output=True, text=True)
-            os.remove(source)
-            if done.returncode != 0:
-                errors.append(" ".join(done.stderr.split())[:300])
+            error = _compile(compiler, flags, target)
+            if error is not None:
+                errors.append(error)
                 continue
-            os.replace(partial, target)  # atomic: processes building at once each install a whole library
-        lib = ctypes.CDLL(target)
+        try:
+            lib = ctypes.CDLL(target)
+        except OSError:
+            error = _compile(compiler, flags, target)
+            if error is not None:
+                errors.append(error)
+                continue
+            lib = ctypes.CDLL(target)
         lib.ldet_row_stats.restype = None
         lib.ldet_row_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
@@ -240,16 +264,20 @@ class NativeKernel:
     def __init__(self) -> None:
         self.lib: Any = None
         self.failed: str | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         """Row max, float64 sum of ``exp(x - max)`` and target logit of CPU ``logits`` ``[N, V]`` (not float64)."""
         if self.failed is not None:
             return None
         if self.lib is None:
-            try:
-                self.lib = build()
-            except Exception as err:  # noqa: BLE001  (any toolchain failure: the caller falls back)
-                self.failed = f"{type(err).__name__}: {err}"
+            with self._lock:  # threads of one process build once
+                if self.lib is None and self.failed is None:
+                    try:
+                        self.lib = build()
+                    except Exception as err:  # noqa: BLE001  (any toolchain failure: the caller falls back)
+                        self.failed = f"{type(err).__name__}: {err}"
+            if self.lib is None:
                 return None
         n, vocab = logits.shape
         ids = ids.to(torch.int64).contiguous()
@@ -279,4 +307,4 @@ class NativeKernel:
         )
 
 
-__all__ = ["CACHE_ENV", "NativeKernel", "SOURCE", "build", "cache_dir"]
+__all__ = ["CACHE_ENV", "NativeKernel", "SOURCE", "build", "cache_dir", "library_path"]
