@@ -215,17 +215,33 @@ def reseed(number: int = 20_000) -> None:
     def new_step_reseed() -> None:
         reseed_for_micro_batch(seeds(next(step), 0))
 
+    prepared_steps = iter(range(10**9))
+
+    def prepared_step_reseed() -> None:  # what the invariant mode does: the step was hashed during the last one
+        n = next(prepared_steps)
+        seeds.prepare(n)
+        start = time.perf_counter()
+        reseed_for_micro_batch(seeds(n, 0))
+        prepared_times.append(time.perf_counter() - start)
+
+    prepared_times: list[float] = []
+
     rows = [
         ("numpy SeedSequence (derive_seed before)", lambda: numpy_seed(42, "micro-batch", 7, 3)),
         ("derive_seed, cached step prefix", lambda: micro_batch_seed(42, 7, 3)),
         ("derive_seed + reseed, first micro-batch of a step", new_step_derive),
         ("MicroBatchSeeds, later micro-batch of a step", lambda: seeds(7, 3)),
         ("reseed, later micro-batch of a step", lambda: reseed_for_micro_batch(seeds(7, 3))),
-        ("reseed, first micro-batch of a new step", new_step_reseed),
+        ("reseed, first micro-batch of a new step, not prepared", new_step_reseed),
     ]
     print("\n3. per-micro-batch reseed (seed + CPU generator), per call; target <= 5 us")
     for name, fn in rows:
-        print(f"   {name:44s}{per_call(fn):>8.2f} us")
+        print(f"   {name:52s}{per_call(fn):>8.2f} us")
+    timeit.repeat(prepared_step_reseed, number=number, repeat=5)
+    prepared_us = statistics.median(prepared_times) * 1e6  # timed around the reseed alone (prepare() is not in it)
+    print(f"   {'reseed, first micro-batch of a prepared step':52s}{prepared_us:>8.2f} us   (the invariant mode's)")
+    prepare_us = per_call(lambda: seeds.prepare(next(step)))
+    print(f"   {'  prepare(step) itself, during the last step':52s}{prepare_us:>8.2f} us")
 
 
 def main() -> None:

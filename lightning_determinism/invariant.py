@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import Sampler
 
 from lightning_determinism._compat import BatchNorm, update_dataloader, wrapped_sampler
-from lightning_determinism._seed_hash import absorb, first_word
+from lightning_determinism._seed_hash import State, absorb, first_word
 from lightning_determinism.seeding import _normal_key, _small_int_head, derive_seed
 from lightning_determinism.tree import GradientTree, pair_groups
 
@@ -154,20 +154,34 @@ class MicroBatchSeeds:
         True
     """
 
-    __slots__ = ("_base", "_head", "_state", "_step")
+    __slots__ = ("_base", "_head", "_next", "_state", "_step")
 
     def __init__(self, base: int) -> None:
         self._base = base
         self._head = _small_int_head((_normal_key(base), "micro-batch"))  # then every int key's (tag, length) words
         self._step = -1
         self._state = self._head
+        self._next: tuple[int, State] | None = None
+
+    def _step_state(self, step: int) -> State:
+        return absorb(self._head, (step, 0, 1))  # the step's word, then the (tag, length) words of j
+
+    def prepare(self, step: int) -> None:
+        """Hash ``step``'s key words now rather than at its first micro-batch.
+
+        The invariant mode calls it while the previous step's gradients are in flight.
+        """
+        if type(step) is int and 0 <= step <= _WORD and step != self._step:
+            self._next = (step, self._step_state(step))
 
     def __call__(self, step: int, micro_batch: int) -> int:
         """The seed of micro-batch ``micro_batch`` of optimizer step ``step``."""
         if not (type(step) is int and type(micro_batch) is int and 0 <= step <= _WORD and 0 <= micro_batch <= _WORD):
             return micro_batch_seed(self._base, step, micro_batch)  # large or unusual keys: the general path
         if step != self._step:
-            self._state, self._step = absorb(self._head, (step, 0, 1)), step  # the step, then j's (tag, length)
+            prepared = self._next
+            self._state = prepared[1] if prepared is not None and prepared[0] == step else self._step_state(step)
+            self._step, self._next = step, None
         return first_word(absorb(self._state, (micro_batch,)))
 
 
@@ -358,13 +372,19 @@ class InvariantTraining:
         )
         return update_dataloader(dataloader, new)
 
-    def after_backward(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        """Take this micro-batch's gradient as a leaf; after the last one, climb the tree and set the mean gradient."""
+    def after_backward(self, parameters: Sequence[torch.nn.Parameter], global_step: int | None = None) -> None:
+        """Take this micro-batch's gradient as a leaf; after the last one, climb the tree and set the mean gradient.
+
+        ``global_step`` (the step being finished): the next step's seeds are hashed while this step's first level of
+        communication is still in flight.
+        """
         if self._tree is None:
             self._tree = GradientTree(parameters, self.per_rank, self._groups, self.rank)
         self._tree.add_leaf()
         if self._tree.added < self.per_rank:
             return
+        if global_step is not None and self._seeds is not None:
+            self._seeds.prepare(global_step + 1)
         self._passes_in_window = 0
         # Each leaf was scaled by 1/K (Lightning's accumulation); 1/W more makes the mean over all M micro-batches.
         self._tree.finish(divide_by=self.world_size)

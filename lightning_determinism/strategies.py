@@ -181,7 +181,8 @@ class DeterministicStrategyMixin(SeedingProperties):
         result = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
         if self.invariant is not None:
             module = self.lightning_module  # type: ignore[attr-defined]
-            self.invariant.after_backward([p for p in module.parameters() if p.requires_grad])
+            parameters = [p for p in module.parameters() if p.requires_grad]
+            self.invariant.after_backward(parameters, module.trainer.global_step)
         return result
 
     @override

@@ -212,3 +212,8 @@ def test_the_invariant_modes_micro_batch_seeds_equal_numpy_over_random_steps():
                 expected = int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint32)[0])
                 assert seeds(step, j) == expected, (base, step, j)
     assert MicroBatchSeeds(7)(123, 15) == 2092434824  # PINNED
+    prepared = MicroBatchSeeds(7)
+    prepared.prepare(123)
+    assert prepared(123, 15) == 2092434824
+    prepared.prepare(500)  # a step that does not come next: not used
+    assert prepared(124, 0) == derive_seed(7, "micro-batch", 124, 0)

@@ -107,6 +107,27 @@ def test_ddp_reducer_copies_no_gradient_in_the_invariant_mode(tmp_path):
     assert seen.read_text().split() == ["False"] * 8  # 2 steps of 4 micro-batches, none with DDP's sync
 
 
+def test_each_steps_seeds_are_hashed_before_it_starts(tmp_path, monkeypatch):
+    # The next step's key words are hashed in the last micro-batch's after_backward (while a multi-process run's
+    # gradients are in flight), so every step after the first finds its state prepared at its first micro-batch.
+    import inspect
+
+    from lightning_determinism.invariant import MicroBatchSeeds
+
+    callers = []
+    original = MicroBatchSeeds._step_state
+
+    def recording(self, step):
+        callers.append((step, inspect.stack()[1].function))
+        return original(self, step)
+
+    monkeypatch.setattr(MicroBatchSeeds, "_step_state", recording)
+    strategy = DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT)  # in this process
+    trainer = quiet_trainer(strategy, 1, max_steps=3, enable_checkpointing=False)
+    trainer.fit(InvariantModule(str(tmp_path), workers=0))
+    assert callers == [(0, "__call__"), (1, "prepare"), (2, "prepare"), (3, "prepare")]
+
+
 @pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_on_four(runs, tmp_path, step):
     root, results = runs
