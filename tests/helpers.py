@@ -28,10 +28,10 @@ def require_compiled_kernel() -> None:
     A dependency that breaks ``torch.compile`` (typing_extensions 4.10 under torch 2.13) must turn the suite red, not
     quietly skip the compiled path's tests.
     """
-    from lightning_determinism.metrics._native import _compiler
+    from lightning_determinism.metrics._native import find_compiler
     from lightning_determinism.metrics._nll import KERNEL, _have_cxx
 
-    if KERNEL.native.failed is not None and _compiler() is not None:
+    if KERNEL.native.failed is not None and find_compiler() is not None:
         pytest.fail(f"the perplexity's C kernel did not build, though a C compiler is present: {KERNEL.native.failed}")
     if KERNEL.available():
         return

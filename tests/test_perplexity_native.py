@@ -116,7 +116,7 @@ def test_a_build_failure_warns_once_and_falls_back_to_inductors_values(monkeypat
 
 def test_a_cached_file_that_does_not_load_is_built_again(monkeypatch, tmp_path):
     monkeypatch.setenv(_native.CACHE_ENV, str(tmp_path))
-    compiler = _native._compiler()
+    compiler = _native.find_compiler()
     import subprocess
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout

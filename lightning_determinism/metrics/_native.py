@@ -147,6 +147,9 @@ static void *run(void *arg) {
     return 0;
 }
 
+#ifdef __cplusplus
+extern "C"
+#endif
 void ldet_row_stats(const float *logits, const int64_t *ids, int64_t n, int64_t v, int threads, float *top,
                     double *sums, float *picked) {
     pthread_t tids[64];
@@ -164,8 +167,8 @@ void ldet_row_stats(const float *logits, const int64_t *ids, int64_t n, int64_t 
 """
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang", "c++", "g++", "clang++"):  # C++ compilers take it too
         if name and shutil.which(name):
             return name
     return None
@@ -214,7 +217,7 @@ def _compile(compiler: str, flags: list[str], target: str) -> str | None:
     with open(source, "w") as f:
         f.write(SOURCE)
     try:
-        done = subprocess.run([compiler, *flags, source, "-o", partial], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, "-x", "c", source, "-o", partial], capture_output=True, text=True)
     finally:
         os.remove(source)
     if done.returncode != 0:
@@ -231,7 +234,7 @@ def build() -> ctypes.CDLL:
     Raises:
         RuntimeError: no C compiler on the ``PATH``, or it failed (its message included).
     """
-    compiler = _compiler()
+    compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler on the PATH (looked for $CC, cc, gcc, clang)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
@@ -307,4 +310,4 @@ class NativeKernel:
         )
 
 
-__all__ = ["CACHE_ENV", "NativeKernel", "SOURCE", "build", "cache_dir", "library_path"]
+__all__ = ["CACHE_ENV", "NativeKernel", "SOURCE", "build", "cache_dir", "find_compiler", "library_path"]

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lightning_determinism._compat import mark_unbacked
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.metrics._native import NativeKernel
+from lightning_determinism.metrics._native import NativeKernel, find_compiler
 
 COMPILE_ENV = "LDET_PERPLEXITY_COMPILE"
 """``"1"``/``"0"`` forces the compiled kernel on or off where a metric's ``compile`` argument is ``None``."""
@@ -130,7 +130,7 @@ def _have_cxx() -> bool:
 def use_compiled(compile: bool | None, device: torch.device, vocab: int) -> bool:
     """Whether an update on ``device`` with ``vocab`` classes goes through the compiled kernel.
 
-    ``compile=None`` reads :data:`COMPILE_ENV` and otherwise compiles on CPU for ``vocab >= 4096`` when a C++
+    ``compile=None`` reads :data:`COMPILE_ENV` and otherwise compiles on CPU for ``vocab >= 4096`` when a C or C++
     compiler is on the ``PATH``. The answer depends only on these, never on the batch: a metric keeps one path.
 
     Examples:
@@ -142,7 +142,8 @@ def use_compiled(compile: bool | None, device: torch.device, vocab: int) -> bool
     env = os.environ.get(COMPILE_ENV)
     if env in ("0", "1"):
         return env == "1" and KERNEL.available()
-    return device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB and KERNEL.available() and _have_cxx()
+    have_compiler = _have_cxx() or find_compiler() is not None
+    return device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB and KERNEL.available() and have_compiler
 
 
 def _chunk_rows(vocab: int, device: torch.device, chunk_size: int | None) -> int:
