@@ -1,7 +1,7 @@
 """Per-token negative log-likelihood whose value for one row never depends on the other rows of the batch.
 
 ``nll = (max - x_target) + log(sum(exp(x - max)))`` per row of logits ``[N, V]``: the difference is taken in
-float64, the exponentials in float32 (at least; in float64 for vocabularies below 4096 on the eager path) and each
+float64, the exponentials in float32 (in float64 on the eager path on CPU, and on CUDA below 4096 classes) and each
 row's sum of them is accumulated in float64.
 
 Batch invariance (the same bits for a row whether it comes alone, among 7 or among 32 rows, on 1 thread or 16) is
@@ -48,7 +48,7 @@ COMPILE_MIN_VOCAB = 4096
 """With ``compile=None``, the kernel is compiled on CPU for vocabularies at least this large."""
 
 FLOAT64_EXP_MAX_VOCAB = 4096
-"""Below this vocabulary size the eager path takes the exponentials in float64 (large ones: float32, for speed)."""
+"""On CUDA, below this vocabulary size the eager path takes the exponentials in float64 (on CPU: always)."""
 
 EXP_FLOOR = -87.0  # exp() below this is subnormal: ~35x slower on CPUs, and < 2e-38 of the row's sum
 _CHUNK_BYTES_CPU = 2 * 2**20  # a chunk of float32 rows that stays in a CPU's L2/L3 cache (fastest measured)
@@ -158,9 +158,11 @@ def _eager_row_stats(logits: Tensor, ids: Tensor, chunk_size: int | None) -> tup
     vocab = logits.shape[-1]
     n = logits.shape[0]
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
-    if vocab < FLOAT64_EXP_MAX_VOCAB:
-        # Few classes per row: float32 exponentials (~1 ulp each, summed over few terms) would cost ~1e-9 relative
-        # in the perplexity; float64 ones cost next to nothing here.
+    if vocab < FLOAT64_EXP_MAX_VOCAB or logits.device.type == "cpu":
+        # float32 exponentials are biased (~1e-9 relative in the perplexity: their float32 argument reduction
+        # rounds every logit with the same exponent alike, see _native); in float64 the eager path costs 1.26x
+        # at V=32,000 on CPU, next to nothing on small vocabularies. On a GPU float64 is slow: large vocabularies
+        # keep float32 there.
         work_dtype = torch.float64
     rows = _chunk_rows(vocab, logits.device, chunk_size)
     on_cpu = logits.device.type == "cpu"
