@@ -79,6 +79,8 @@ def test_non_finite_rows_get_the_eager_paths_kind_of_value():
 def test_ids_outside_the_vocabulary_are_refused_before_the_c_code_reads_them():
     with pytest.raises(ValueError, match=r"`ids` must lie in \[0, 8\), got values in \[0, 8\]"):
         _nll.KERNEL.native(torch.zeros(2, 8), torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match=r"`logits` must have at least one class, got shape \(2, 0\)"):
+        _nll.KERNEL.native(torch.zeros(2, 0), torch.tensor([0, 0]))
 
 
 def test_the_library_is_built_into_the_cache_directory_and_reused(monkeypatch, tmp_path):

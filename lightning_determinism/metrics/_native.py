@@ -283,6 +283,8 @@ class NativeKernel:
             if self.lib is None:
                 return None
         n, vocab = logits.shape
+        if vocab < 1:
+            raise ValueError(f"`logits` must have at least one class, got shape {tuple(logits.shape)}")
         ids = ids.to(torch.int64).contiguous()
         if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # C reads what it is told to: check first
             raise ValueError(f"`ids` must lie in [0, {vocab}), got values in [{int(ids.min())}, {int(ids.max())}]")
