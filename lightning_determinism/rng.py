@@ -69,8 +69,9 @@ class _Fork:
             torch.cuda.set_rng_state(stream["cuda"])
 
     def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:  # no *args: a fork is µs
-        self._depth -= 1
-        if self._depth:
+        depth = self._depth - 1
+        self._depth = depth
+        if depth:
             return
         stream: dict[str, torch.Tensor] = self._stream  # type: ignore[assignment]  # set by __init__ or __enter__
         stream["cpu"] = _get_cpu_state()  # the advanced state: the next fork continues the sequence
