@@ -142,8 +142,18 @@ def use_compiled(compile: bool | None, device: torch.device, vocab: int) -> bool
     env = os.environ.get(COMPILE_ENV)
     if env in ("0", "1"):
         return env == "1" and KERNEL.available()
-    have_compiler = _have_cxx() or find_compiler() is not None
-    return device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB and KERNEL.available() and have_compiler
+    return device.type == "cpu" and vocab >= COMPILE_MIN_VOCAB and KERNEL.available() and _have_compiler()
+
+
+def _have_compiler() -> bool:
+    """A C or C++ compiler on the ``PATH`` (looked up once per ``PATH``, ``CC`` and ``CXX``: updates are hot)."""
+    key = (os.environ.get("PATH"), os.environ.get("CC"), os.environ.get("CXX"))
+    if key not in _COMPILER_SEEN:
+        _COMPILER_SEEN[key] = _have_cxx() or find_compiler() is not None
+    return _COMPILER_SEEN[key]
+
+
+_COMPILER_SEEN: dict[tuple[str | None, ...], bool] = {}
 
 
 def _chunk_rows(vocab: int, device: torch.device, chunk_size: int | None) -> int:
