@@ -196,8 +196,8 @@ def reseed(number: int = 20_000) -> None:
 
     import numpy as np
 
-    from lightning_determinism.invariant import MicroBatchSeeds, micro_batch_seed, reseed_for_micro_batch
-    from lightning_determinism.seeding import _key_words
+    from lightning_determinism.invariant import micro_batch_seed, reseed_for_micro_batch
+    from lightning_determinism.seeding import StepSeeds, _key_words
 
     def numpy_seed(*keys) -> int:
         words = [w for key in keys for w in _key_words(key)]
@@ -207,7 +207,7 @@ def reseed(number: int = 20_000) -> None:
         return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
 
     step = iter(range(10**9))
-    seeds = MicroBatchSeeds(42)  # what the invariant mode calls: the step's hash state kept between micro-batches
+    seeds = StepSeeds(42, "micro-batch")  # what the invariant mode calls: a step's hash state kept between calls
 
     def new_step_derive() -> None:  # micro-batch 0 of a new step: the step's prefix is not cached yet
         reseed_for_micro_batch(micro_batch_seed(42, next(step), 0))
@@ -230,7 +230,7 @@ def reseed(number: int = 20_000) -> None:
         ("numpy SeedSequence (derive_seed before)", lambda: numpy_seed(42, "micro-batch", 7, 3)),
         ("derive_seed, cached step prefix", lambda: micro_batch_seed(42, 7, 3)),
         ("derive_seed + reseed, first micro-batch of a step", new_step_derive),
-        ("MicroBatchSeeds, later micro-batch of a step", lambda: seeds(7, 3)),
+        ("StepSeeds, later micro-batch of a step", lambda: seeds(7, 3)),
         ("reseed, later micro-batch of a step", lambda: reseed_for_micro_batch(seeds(7, 3))),
         ("reseed, first micro-batch of a new step, not prepared", new_step_reseed),
     ]

@@ -28,8 +28,7 @@ from torch import Tensor
 from torch.utils.data import Sampler
 
 from lightning_determinism._compat import BatchNorm, update_dataloader, wrapped_sampler
-from lightning_determinism._seed_hash import State, absorb, first_word
-from lightning_determinism.seeding import _normal_key, _small_int_head, derive_seed
+from lightning_determinism.seeding import StepSeeds, derive_seed
 from lightning_determinism.tree import GradientTree, pair_groups
 
 
@@ -142,52 +141,6 @@ def micro_batch_seed(base: int, step: int, micro_batch: int) -> int:
     return derive_seed(base, "micro-batch", step, micro_batch)
 
 
-class MicroBatchSeeds:
-    """:func:`micro_batch_seed` for one base seed, the hash state of the current step kept between its micro-batches.
-
-    The same values as ``micro_batch_seed(base, step, j)`` (tested), without its per-call work: a new step costs the
-    absorption of the step's key words, each micro-batch one word more.
-
-    Examples:
-        >>> seeds = MicroBatchSeeds(42)
-        >>> seeds(7, 3) == micro_batch_seed(42, 7, 3) and seeds(8, 0) == micro_batch_seed(42, 8, 0)
-        True
-    """
-
-    __slots__ = ("_base", "_head", "_next", "_state", "_step")
-
-    def __init__(self, base: int) -> None:
-        self._base = base
-        self._head = _small_int_head((_normal_key(base), "micro-batch"))  # then every int key's (tag, length) words
-        self._step = -1
-        self._state = self._head
-        self._next: tuple[int, State] | None = None
-
-    def _step_state(self, step: int) -> State:
-        return absorb(self._head, (step, 0, 1))  # the step's word, then the (tag, length) words of j
-
-    def prepare(self, step: int) -> None:
-        """Hash ``step``'s key words now rather than at its first micro-batch.
-
-        The invariant mode calls it while the previous step's gradients are in flight.
-        """
-        if type(step) is int and 0 <= step <= _WORD and step != self._step:
-            self._next = (step, self._step_state(step))
-
-    def __call__(self, step: int, micro_batch: int) -> int:
-        """The seed of micro-batch ``micro_batch`` of optimizer step ``step``."""
-        if not (type(step) is int and type(micro_batch) is int and 0 <= step <= _WORD and 0 <= micro_batch <= _WORD):
-            return micro_batch_seed(self._base, step, micro_batch)  # large or unusual keys: the general path
-        if step != self._step:
-            prepared = self._next
-            self._state = prepared[1] if prepared is not None and prepared[0] == step else self._step_state(step)
-            self._step, self._next = step, None
-        return first_word(absorb(self._state, (micro_batch,)))
-
-
-_WORD = 0xFFFFFFFF
-
-
 def reseed_for_micro_batch(seed: int) -> None:
     """Seed the CPU generator (and CUDA's, where initialised) for one micro-batch: ~1 µs, manual_seed ~120 µs."""
     torch.default_generator.manual_seed(seed)
@@ -254,7 +207,7 @@ class InvariantTraining:
         self._groups: list = []
         self._tree: GradientTree | None = None
         self._passes_in_window = 0
-        self._seeds: MicroBatchSeeds | None = None
+        self._seeds: StepSeeds | None = None
         self._seeds_base = 0
 
     @property
@@ -331,7 +284,8 @@ class InvariantTraining:
         """
         index = self.rank * self.per_rank + self._passes_in_window
         if self._seeds is None or self._seeds_base != self.base_seed:
-            self._seeds, self._seeds_base = MicroBatchSeeds(self.base_seed), self.base_seed
+            # micro_batch_seed(base, step, j), the step's hash state kept between its micro-batches
+            self._seeds, self._seeds_base = StepSeeds(self.base_seed, "micro-batch"), self.base_seed
         reseed_for_micro_batch(self._seeds(global_step, index))
         self._passes_in_window += 1
         if self._passes_in_window == self.per_rank and self._tree is not None:
@@ -393,7 +347,6 @@ class InvariantTraining:
 __all__ = [
     "InvariantSampler",
     "InvariantTraining",
-    "MicroBatchSeeds",
     "check_batch_sizes",
     "describe",
     "find_batch_norm",

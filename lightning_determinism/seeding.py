@@ -198,6 +198,53 @@ def _prefix_state(keys: tuple[int | str, ...]) -> State:
     return absorb(_prefix_state(keys[:-1]), _key_words(last))
 
 
+class StepSeeds:
+    """``derive_seed(*prefix, step, index)``, the hash state after ``(*prefix, step)`` kept between calls.
+
+    The same values as :func:`derive_seed` (tested against numpy), without its per-call work: a new step costs the
+    absorption of the step's key words, each index one word more. :meth:`prepare` absorbs a step's words ahead of
+    time (the invariant mode does it while the previous step's gradients are in flight).
+
+    Args:
+        prefix: the leading keys, as for :func:`derive_seed`.
+
+    Examples:
+        >>> seeds = StepSeeds(42, "micro-batch")
+        >>> seeds(7, 3) == derive_seed(42, "micro-batch", 7, 3) and seeds(8, 0) == derive_seed(42, "micro-batch", 8, 0)
+        True
+    """
+
+    __slots__ = ("_head", "_next", "_prefix", "_state", "_step")
+
+    def __init__(self, *prefix: int | str) -> None:
+        self._prefix = tuple(_normal_key(key) for key in prefix)
+        self._head = _small_int_head(self._prefix)  # the prefix, then every small int key's (tag, length) words
+        self._step = -1
+        self._state = self._head
+        self._next: tuple[int, State] | None = None
+
+    def _step_state(self, step: int) -> State:
+        return absorb(self._head, (step, 0, 1))  # the step's word, then the index's (tag, length) words
+
+    def prepare(self, step: int) -> None:
+        """Absorb ``step``'s key words now rather than at its first call."""
+        if type(step) is int and 0 <= step <= _WORD and step != self._step:
+            self._next = (step, self._step_state(step))
+
+    def __call__(self, step: int, index: int) -> int:
+        """``derive_seed(*prefix, step, index)``."""
+        if not (type(step) is int and type(index) is int and 0 <= step <= _WORD and 0 <= index <= _WORD):
+            return derive_seed(*self._prefix, step, index)  # large or unusual keys: the general path
+        if step != self._step:
+            prepared = self._next
+            self._state = prepared[1] if prepared is not None and prepared[0] == step else self._step_state(step)
+            self._step, self._next = step, None
+        return first_word(absorb(self._state, (index,)))
+
+
+_WORD = 0xFFFFFFFF
+
+
 def _record_seeds(base: int, local: int) -> None:
     """Publish the seeds in effect for children, workers and :func:`determinism_report`."""
     os.environ[BASE_SEED_ENV] = str(base)

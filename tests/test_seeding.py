@@ -197,22 +197,21 @@ def test_derive_seed_does_not_take_true_for_one_from_its_cache():
 
 
 def test_the_invariant_modes_micro_batch_seeds_equal_numpy_over_random_steps():
-    # The invariant mode keeps one step's hash state between its micro-batches (MicroBatchSeeds); every value must be
+    # The invariant mode keeps one step's hash state between its micro-batches (StepSeeds); every value must be
     # numpy's SeedSequence of the same words, as derive_seed's are (PINNED holds two of them).
-    from lightning_determinism.invariant import MicroBatchSeeds
-    from lightning_determinism.seeding import _key_words
+    from lightning_determinism.seeding import StepSeeds, _key_words
 
     rng = random.Random(1)
     for base in (7, 0, 2**33, rng.randrange(2**32)):
-        seeds = MicroBatchSeeds(base)
+        seeds = StepSeeds(base, "micro-batch")
         for _ in range(60):
             step = rng.choice([rng.randrange(50), rng.randrange(2**32), 2**32 + rng.randrange(9)])  # past a word too
             for j in sorted(rng.sample(range(64), 3)) + [2**32]:
                 words = [w for key in (base, "micro-batch", step, j) for w in _key_words(key)]
                 expected = int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint32)[0])
                 assert seeds(step, j) == expected, (base, step, j)
-    assert MicroBatchSeeds(7)(123, 15) == 2092434824  # PINNED
-    prepared = MicroBatchSeeds(7)
+    assert StepSeeds(7, "micro-batch")(123, 15) == 2092434824  # PINNED
+    prepared = StepSeeds(7, "micro-batch")
     prepared.prepare(123)
     assert prepared(123, 15) == 2092434824
     prepared.prepare(500)  # a step that does not come next: not used

@@ -112,16 +112,16 @@ def test_each_steps_seeds_are_hashed_before_it_starts(tmp_path, monkeypatch):
     # gradients are in flight), so every step after the first finds its state prepared at its first micro-batch.
     import inspect
 
-    from lightning_determinism.invariant import MicroBatchSeeds
+    from lightning_determinism.seeding import StepSeeds
 
     callers = []
-    original = MicroBatchSeeds._step_state
+    original = StepSeeds._step_state
 
     def recording(self, step):
         callers.append((step, inspect.stack()[1].function))
         return original(self, step)
 
-    monkeypatch.setattr(MicroBatchSeeds, "_step_state", recording)
+    monkeypatch.setattr(StepSeeds, "_step_state", recording)
     strategy = DeterministicSingleDeviceStrategy(seed=5, device="cpu", **INVARIANT)  # in this process
     trainer = quiet_trainer(strategy, 1, max_steps=3, enable_checkpointing=False)
     trainer.fit(InvariantModule(str(tmp_path), workers=0))
