@@ -277,6 +277,7 @@ class StreamModule(L.LightningModule):
         shuffle: bool = True,
         user_init: bool = False,
         loaders: str = "single",
+        worker_context: str | None = None,
     ) -> None:
         super().__init__()
         self.out_dir = out_dir
@@ -288,6 +289,7 @@ class StreamModule(L.LightningModule):
             loaders,
         )
         self.dropout = dropout
+        self.worker_context = worker_context
         self.layer = nn.Linear(1, 1)
         self.samples: list[dict[str, Any]] = []
 
@@ -300,6 +302,7 @@ class StreamModule(L.LightningModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
             worker_init_fn=user_worker_init if self.user_init else None,
             collate_fn=_uncollated,
+            multiprocessing_context=self.worker_context if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> Any:

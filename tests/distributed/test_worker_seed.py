@@ -34,6 +34,12 @@ def _ddp(seed=5, start_method="fork"):
     return DeterministicDDPStrategy(seed=seed, start_method=start_method)
 
 
+# Lightning's own DDPStrategy, for comparison. A rank it forks cannot fork its data-loader workers safely on Python
+# <= 3.11 (CPython gh-112275: about one fit in 300 leaves a worker stuck at start forever; our strategies restart it,
+# see data/_worker_start.py), so its workers are spawned: PyTorch seeds them the same way whatever the start method.
+PLAIN_WORKERS = {"worker_context": "spawn"}
+
+
 def test_eight_distinct_streams_reproducible_epoch_zero_included(tmp_path):
     first, _ = fit_streams(_ddp(), tmp_path / "a", [WorkerSeedCallback()])
     torch.manual_seed(123)  # a different parent state must not matter
@@ -49,7 +55,7 @@ def test_eight_distinct_streams_reproducible_epoch_zero_included(tmp_path):
 
 def test_without_the_callback_lightning_repeats_streams_across_ranks(tmp_path):
     seed_everything(5, verbose=False)
-    samples, _ = fit_streams(DDPStrategy(start_method="fork"), tmp_path, [], epochs=1)
+    samples, _ = fit_streams(DDPStrategy(start_method="fork"), tmp_path, [], epochs=1, **PLAIN_WORKERS)
     streams = _streams(samples)
     for worker in (0, 1):  # the failure the callback prevents: both ranks' workers draw the same numbers
         for stream in STREAMS:
@@ -77,7 +83,9 @@ def test_persistent_workers_stay_distinct_and_reproducible(tmp_path):
 
 def test_lightning_ddp_strategy_and_seed_everything(tmp_path):
     seed_everything(9, verbose=False)
-    samples, trainer = fit_streams(DDPStrategy(start_method="fork"), tmp_path, [WorkerSeedCallback()], epochs=1)
+    samples, trainer = fit_streams(
+        DDPStrategy(start_method="fork"), tmp_path, [WorkerSeedCallback()], epochs=1, **PLAIN_WORKERS
+    )
     _assert_pairwise_distinct(_streams(samples))
     for sample in samples:
         iterator_seed = int(sample["pytorch_worker_seed"]) - sample["worker"]
