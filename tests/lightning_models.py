@@ -302,7 +302,7 @@ class StreamModule(L.LightningModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
             worker_init_fn=user_worker_init if self.user_init else None,
             collate_fn=_uncollated,
-            multiprocessing_context=self.worker_context if self.num_workers > 0 else None,
+            multiprocessing_context=_worker_context(self.worker_context) if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> Any:
@@ -327,6 +327,17 @@ class StreamModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _worker_context(name: str | None) -> Any:
+    """A multiprocessing context for data-loader workers; a fork server starts with this module already imported."""
+    if name != "forkserver":
+        return name
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.lightning_models", "lightning_determinism"])
+    return context
 
 
 def fit_streams(strategy: Any, out_dir: Path, callbacks: list[Any], devices: int = 2, epochs: int = 2, **kw: Any):
