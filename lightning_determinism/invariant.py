@@ -207,8 +207,7 @@ class InvariantTraining:
         self._groups: list = []
         self._tree: GradientTree | None = None
         self._passes_in_window = 0
-        self._seeds: StepSeeds | None = None
-        self._seeds_base = 0
+        self._seeds = StepSeeds(self.base_seed, "micro-batch")  # micro_batch_seed, the step's hash state kept
 
     @property
     def per_rank(self) -> int:
@@ -249,6 +248,7 @@ class InvariantTraining:
         """Ranks are known: check the world size, pin the threads."""
         self.check_world_size(world_size)
         self.rank, self.world_size, self.base_seed = rank, world_size, base_seed
+        self._seeds = StepSeeds(base_seed, "micro-batch")
         torch.set_num_threads(self.threads)
         self._groups = pair_groups(world_size) if world_size > 1 else []
 
@@ -283,9 +283,6 @@ class InvariantTraining:
         (:meth:`~lightning_determinism.tree.GradientTree.arm`).
         """
         index = self.rank * self.per_rank + self._passes_in_window
-        if self._seeds is None or self._seeds_base != self.base_seed:
-            # micro_batch_seed(base, step, j), the step's hash state kept between its micro-batches
-            self._seeds, self._seeds_base = StepSeeds(self.base_seed, "micro-batch"), self.base_seed
         reseed_for_micro_batch(self._seeds(global_step, index))
         self._passes_in_window += 1
         if self._passes_in_window == self.per_rank and self._tree is not None:
@@ -337,7 +334,7 @@ class InvariantTraining:
         self._tree.add_leaf()
         if self._tree.added < self.per_rank:
             return
-        if global_step is not None and self._seeds is not None:
+        if global_step is not None:
             self._seeds.prepare(global_step + 1)
         self._passes_in_window = 0
         # Each leaf was scaled by 1/K (Lightning's accumulation); 1/W more makes the mean over all M micro-batches.

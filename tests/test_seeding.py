@@ -216,3 +216,9 @@ def test_the_invariant_modes_micro_batch_seeds_equal_numpy_over_random_steps():
     assert prepared(123, 15) == 2092434824
     prepared.prepare(500)  # a step that does not come next: not used
     assert prepared(124, 0) == derive_seed(7, "micro-batch", 124, 0)
+    # The invariant mode's strategy holds one, and spawn launchers pickle the strategy.
+    import pickle
+
+    prepared.prepare(125)
+    copy = pickle.loads(pickle.dumps(prepared))
+    assert copy(125, 3) == prepared(125, 3) == derive_seed(7, "micro-batch", 125, 3)
