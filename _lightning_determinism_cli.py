@@ -2,15 +2,17 @@
 
 It lives outside the ``lightning_determinism`` package on purpose. Importing any module of the package first runs
 ``lightning_determinism/__init__.py``, which imports torch and Lightning (seconds) because importing the package
-registers the deterministic strategies. ``--help`` and a bad argument are answered from here with the standard library
-only, at once; :mod:`lightning_determinism.cli`, which does a subcommand's work, is imported once the arguments are
-known to be good. ``python -m lightning_determinism`` runs the same :func:`main`, after the package's import.
+registers the deterministic strategies. ``--help``, a bad argument and an input file that is missing or unreadable
+are answered from here with the standard library only, at once; :mod:`lightning_determinism.cli`, which does a
+subcommand's work, is imported once the arguments are known to be good. ``python -m lightning_determinism`` runs the
+same :func:`main`, after the package's import.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -80,10 +82,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The input files of each subcommand, and what each should be (for the message when it is a directory).
+_INPUTS = {
+    "report": (("path", "checkpoint or baseline file"),),
+    "compare": (("a", "baseline file"), ("b", "baseline file")),
+    "diagnose": (("a", "probe file"), ("b", "probe file")),
+}
+
+
+def _unusable_input(path: str, kind: str) -> str | None:
+    """Why ``path`` cannot be read as an input file of the given ``kind``, or None when it can.
+
+    Examples:
+        >>> _unusable_input("missing.json", "baseline file")
+        'missing.json: no such file'
+        >>> _unusable_input(".", "baseline file")
+        '.: is a directory, not a baseline file'
+    """
+    if os.path.isdir(path):
+        return f"{path}: is a directory, not a {kind}"
+    if not os.path.exists(path):
+        return f"{path}: no such file"
+    if not os.path.isfile(path):  # a FIFO or device: opening it could block
+        return f"{path}: not a regular file (expected a {kind})"
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        return f"{path}: cannot be read ({err.strerror or type(err).__name__})"
+    return None
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse, before torch is imported, an input file that is missing, a directory or unreadable.
+
+    The output path of ``--plot`` is checked for its directory here too; whether matplotlib can write its format is
+    checked by the subcommand (that needs matplotlib).
+
+    Raises:
+        UsageError: naming the first file that cannot be used and why.
+
+    Examples:
+        >>> check_inputs(build_parser().parse_args(["compare", "a.json", "missing.json"]))
+        Traceback (most recent call last):
+        ...
+        _lightning_determinism_cli.UsageError: a.json: no such file
+    """
+    for name, kind in _INPUTS[args.command]:
+        path = getattr(args, name)
+        problem = None if path is None else _unusable_input(path, kind)
+        if problem:
+            raise UsageError(problem)
+    plot = getattr(args, "plot", None)
+    if plot:
+        parent = os.path.dirname(plot) or "."
+        if os.path.isdir(plot):
+            raise UsageError(
+                f"--plot {plot}: is a directory; give a file name such as {os.path.join(plot, 'compare.png')}"
+            )
+        if not os.path.isdir(parent):
+            raise UsageError(f"--plot {plot}: the directory {parent} does not exist")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 equal/ok, 1 different, 2 bad input)."""
     try:
         args = build_parser().parse_args(argv)
+        check_inputs(args)
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

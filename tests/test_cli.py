@@ -139,3 +139,61 @@ def test_report_of_a_torch_file_it_cannot_read_says_why_in_one_line(tmp_path, ca
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"{path}: a torch file that torch.load(weights_only=True) cannot read (" in err
     assert "Unsupported global" in err and "expected a Lightning checkpoint" in err
+
+
+def test_a_missing_input_file_is_refused_before_torch_is_imported(tmp_path):
+    missing = tmp_path / "missing.ckpt"
+    code = f"""
+import sys
+import _lightning_determinism_cli as entry
+status = entry.main(["report", {str(missing)!r}])
+print(status, "torch" in sys.modules, "lightning_determinism" in sys.modules)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=_env(), cwd=ROOT
+    )
+    assert result.stdout.strip() == "2 False False", result.stderr
+    assert result.stderr.splitlines() == [f"lightning-determinism: error: {missing}: no such file"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare", "{a}", "{missing}"], "{missing}: no such file"),
+        (["compare", "{tmp}", "{a}"], "{tmp}: is a directory, not a baseline file"),
+        (["diagnose", "{missing}", "{a}"], "{missing}: no such file"),
+        (["report", "{tmp}"], "{tmp}: is a directory, not a checkpoint or baseline file"),
+        (
+            ["compare", "{a}", "{a}", "--plot", "{missing}/out.png"],
+            "--plot {missing}/out.png: the directory {missing} does not exist",
+        ),
+    ],
+)
+def test_the_entry_refuses_each_unusable_input_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
+    a, _ = _baselines(tmp_path)
+    names = {"a": a, "missing": tmp_path / "missing", "tmp": tmp_path}
+    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("the subcommand ran"))
+    assert entry.main([arg.format(**names) for arg in argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"lightning-determinism: error: {message.format(**names)}"]
+
+
+def test_report_of_a_truncated_checkpoint_says_so_with_its_size(tmp_path, capsys):
+    whole = _checkpoint(tmp_path, {"torch": torch.get_rng_state()})
+    cut = tmp_path / "cut.ckpt"
+    data = whole.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])  # what a save killed half-way leaves
+    assert cli.main(["report", str(cut)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"lightning-determinism: error: {cut}: a damaged or truncated checkpoint ({len(data) // 2} bytes; torch.load:"
+        " PytorchStreamReader failed reading zip archive: failed finding central directory)"
+    ]
+
+
+def test_report_of_a_truncated_legacy_format_checkpoint_says_so(tmp_path, capsys):
+    whole = tmp_path / "legacy.ckpt"
+    torch.save({"epoch": 0, "state_dict": {"w": torch.zeros(64)}}, whole, _use_new_zipfile_serialization=False)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(whole.read_bytes()[:40])
+    assert cli.main(["report", str(cut)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"lightning-determinism: error: {cut}: a damaged or truncated checkpoint (40 bytes; ")
