@@ -207,9 +207,21 @@ class DeterministicStrategyMixin(SeedingProperties):
             dataloader = self.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
             set_sampler_epoch(dataloader, next_train_epoch(trainer))
             return make_resumable(dataloader, trainer)
-        if trainer is None or not accelerator_connector(trainer).use_distributed_sampler:
-            return dataloader  # the user manages samplers: leave theirs alone
-        if trainer.state.stage in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
+        if trainer is None:
+            return dataloader
+        evaluating = trainer.state.stage in (
+            RunningStage.VALIDATING,
+            RunningStage.TESTING,
+            RunningStage.SANITY_CHECKING,
+        )
+        if not accelerator_connector(trainer).use_distributed_sampler:
+            # The user manages samplers (a stream that shards itself, a sampler of their own): theirs stay as they
+            # are, but the training loader still resumes at its exact position, and workers still fork safely.
+            if trainer.state.stage == RunningStage.TRAINING:
+                set_sampler_epoch(dataloader, next_train_epoch(trainer))
+                return make_resumable(dataloader, trainer)
+            return make_fork_safe(dataloader, trainer) if evaluating else dataloader
+        if evaluating:
             # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
             dataloader = unpad_eval_dataloader(dataloader)
             self._ldet_eval_guard.watch(dataloader, self.lightning_module)  # type: ignore[attr-defined]

@@ -19,11 +19,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
 from lightning_determinism import elastic
+from lightning_determinism._compat import should_accumulate
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.data.positions import consumed_batches, loader_positions, mark_stream_start, set_plan
 from lightning_determinism.errors import DeterminismWarning
@@ -69,6 +70,12 @@ class RNGStateCheckpoint(Callback):
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
         self._resuming = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                _save_at_step_boundaries(callback)
 
     @override
     def on_train_batch_start(
@@ -219,6 +226,32 @@ class RNGStateCheckpoint(Callback):
         verify_restored(saved, rank, _digest(capture_rng_state()))
 
 
+class _AfterOptimizerSteps:
+    """``ModelCheckpoint.on_train_batch_end`` that does nothing on a micro-batch that only accumulates gradients.
+
+    ``ModelCheckpoint(every_n_train_steps=k)`` saves after a batch when ``global_step % k == 0`` and that step was not
+    saved yet. A resumed run does not know the step it resumed was saved, and with ``accumulate_grad_batches > 1`` its
+    first micro-batches leave ``global_step`` unchanged: stock Lightning writes ``step=k.ckpt`` again there, with a
+    half-accumulated step and no gradients (the run resumed from it is not the uninterrupted one). A time-based
+    ``train_time_interval`` can fall inside a window the same way. Deferred to the window's last micro-batch, every
+    save is at an optimizer step, as in the uninterrupted run.
+    """
+
+    def __init__(self, callback: ModelCheckpoint) -> None:
+        self.callback = callback  # the class's hook is called: the instance attribute is this object
+
+    def __call__(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if trainer.accumulate_grad_batches > 1 and should_accumulate(trainer):
+            return
+        type(self.callback).on_train_batch_end(self.callback, trainer, *args, **kwargs)
+
+
+def _save_at_step_boundaries(callback: ModelCheckpoint) -> None:
+    """Have ``callback`` save after optimizer steps only (see :class:`_AfterOptimizerSteps`); once."""
+    if not isinstance(callback.__dict__.get("on_train_batch_end"), _AfterOptimizerSteps):
+        callback.on_train_batch_end = _AfterOptimizerSteps(callback)  # type: ignore[method-assign]
+
+
 def _own_positions(saved: list[dict[str, Any]] | None) -> list[dict[str, Any] | None] | None:
     """On another world size, the positions of loaders that continue an interrupted epoch there; ``None`` for others.
 
@@ -273,11 +306,15 @@ def _warn_about_streams(data: list[Any] | None, same_world: bool, old: int, new:
         if entry is None:
             continue
         if entry.get("restarts"):
+            why = (
+                "was not made resumable (it did not pass through the deterministic strategy's process_dataloader)"
+                if entry.get("dataloader")
+                else "is not a torch DataLoader"
+            )
             rank_zero_warn(
-                f"The training loader `{entry['restarts']}` is not a torch DataLoader, so its position in the"
-                " interrupted epoch can be neither restored nor replayed: it restarts at the epoch's first batch and"
-                " the samples it delivered before the checkpoint are trained on again. Wrap the data in a"
-                " DataLoader (docs/streaming.md).",
+                f"The training loader `{entry['restarts']}` {why}, so its position in the interrupted epoch can be"
+                " neither restored nor replayed: it restarts at the epoch's first batch and the samples it delivered"
+                " before the checkpoint are trained on again. Wrap the data in a DataLoader (docs/streaming.md).",
                 category=DeterminismWarning,
             )
         elif not same_world and "loader_state" in entry:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from lightning_determinism._compat import combined_loader, combined_mode
 from lightning_determinism.data.stateful import is_stateful_loader
 from lightning_determinism.data.stream_loader import stream_entry
@@ -120,6 +122,7 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
             entry: dict[str, Any] = {"epoch": epoch, "skip": 0, "epoch_start": None}
             if not finished and consumed:  # neither restorable nor replayable: said at resume (RNGStateCheckpoint)
                 entry["restarts"] = type(loader).__name__
+                entry["dataloader"] = isinstance(loader, DataLoader)
             positions.append(entry)
             continue
         length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]

@@ -132,7 +132,10 @@ def test_each_steps_seeds_are_hashed_before_it_starts(tmp_path, monkeypatch):
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_on_four(runs, tmp_path, step):
     root, results = runs
     for world in (1, 4):
-        resumed = _fit(tmp_path / f"w{world}", _ddp(**INVARIANT), world, ckpt=root / "w2" / f"step={step}.ckpt")
+        # Checkpointing every step as the docs recommend: the resumed run's first micro-batches (K = 4 / W of them per
+        # step) leave global_step where it was; none of them may save the resumed step again, mid-accumulation.
+        ckpt = root / "w2" / f"step={step}.ckpt"
+        resumed = _fit(tmp_path / f"w{world}", _ddp(**INVARIANT), world, ckpt=ckpt, save_every_step=True)
         assert_bitwise(results[1], resumed)
 
 

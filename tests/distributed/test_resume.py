@@ -32,6 +32,13 @@ CONFIGS = {
     "2-ranks-per-worker-seeds": ({"DEVICES": "2", "WORKERS": "2", "PERSAMPLE": "0"}, [4, 5]),
     "1-rank-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "1"}, [7, 9, 12, 18]),
     "1-rank-unshuffled-in-process-data": ({"DEVICES": "1", "WORKERS": "0", "SHUFFLE": "0"}, [3, 12]),
+    # Gradient accumulation (3 steps per epoch on 1 rank, 2 on 2): each resume starts inside an accumulation window,
+    # under ModelCheckpoint(every_n_train_steps=1), which must not save the resumed step again there.
+    "1-rank-accumulate": ({"DEVICES": "1", "WORKERS": "0", "ACCUM": "2"}, [4]),
+    "2-ranks-accumulate": ({"DEVICES": "2", "WORKERS": "0", "ACCUM": "2"}, [2]),
+    # use_distributed_sampler=False with the user's own DistributedSampler (2 ranks) or RandomSampler (1 rank, workers).
+    "2-ranks-own-sampler": ({"DEVICES": "2", "WORKERS": "0", "OWN_SAMPLER": "1"}, [5]),
+    "1-rank-own-sampler-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "0", "OWN_SAMPLER": "1"}, [8]),
 }
 
 

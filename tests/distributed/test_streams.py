@@ -38,6 +38,7 @@ N = 64  # samples per epoch (stream_run.N), batches of 4
 BASE = [
     {
         "name": "plain-workers",
+        "own_samplers": True,  # use_distributed_sampler=False: the loader must resume all the same
         "source": "plain",
         "workers": 2,
         "chain": [3, 5, 11],
@@ -57,12 +58,20 @@ BASE = [
 ]
 OPTIONAL = {
     "datasets": [
-        {"name": "hf-workers", "source": "hf", "workers": 2, "chain": [3, 5], "elastic": [[1, 3], [4, 5]]},  # replay
+        {
+            "name": "hf-workers",
+            "own_samplers": True,
+            "source": "hf",
+            "workers": 2,
+            "chain": [3, 5],
+            "elastic": [[1, 3], [4, 5]],
+        },  # replay
         {"name": "hf-state", "source": "hf-state", "workers": 2, "chain": [5], "elastic": [[1, 5]], "unshuffled": True},
     ],
     "litdata": [
         {
             "name": "litdata-workers",
+            "own_samplers": True,
             "source": "litdata",
             "workers": 2,
             "chain": [3, 11],

@@ -9,7 +9,7 @@ python resume_run.py preempt OUT               # the whole run under PreemptionC
 
 Environment: DEVICES (1, 2 or 4 gloo ranks, fork), WORKERS (0 or 2), SHUFFLE (1 or 0), PERSIST (persistent workers),
 PERSAMPLE (1: WorkerSeedCallback(per_sample=True), 0: per_sample=False; unset: no WorkerSeedCallback),
-ACCUM (accumulate_grad_batches), EPOCHS.
+ACCUM (accumulate_grad_batches), OWN_SAMPLER (the user's sampler, use_distributed_sampler=False), EPOCHS.
 Every run records, on rank 0, the synced training loss of every step and a fingerprint of the final parameters,
 optimizer and LR-scheduler state (OneCycleLR, sized by `trainer.estimated_stepping_batches`: Lightning issue #20550).
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler  # noqa: E402
 
 from lightning_determinism import (  # noqa: E402
     DeterministicDDPStrategy,
@@ -41,6 +41,7 @@ DEVICES = int(os.environ.get("DEVICES", "2"))
 WORKERS = int(os.environ.get("WORKERS", "0"))
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 ACCUM = int(os.environ.get("ACCUM", "1"))
+OWN_SAMPLER = bool(os.environ.get("OWN_SAMPLER"))  # Trainer(use_distributed_sampler=False), a sampler of the user's
 
 
 class Noisy(Dataset):
@@ -97,6 +98,9 @@ class Net(L.LightningModule):
     def train_dataloader(self):
         persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
         shuffle = os.environ.get("SHUFFLE", "1") == "1"
+        if OWN_SAMPLER:  # the user's own sampler, which the Trainer is told to leave alone
+            sampler = DistributedSampler(Noisy(), shuffle=shuffle, seed=3) if DEVICES > 1 else RandomSampler(Noisy())
+            return DataLoader(Noisy(), batch_size=4, sampler=sampler, num_workers=WORKERS, persistent_workers=persist)
         return DataLoader(Noisy(), batch_size=4, shuffle=shuffle, num_workers=WORKERS, persistent_workers=persist)
 
     def configure_optimizers(self):
@@ -131,6 +135,7 @@ def trainer(out: Path, callbacks: list[Callback]) -> L.Trainer:
         devices=DEVICES,
         max_epochs=EPOCHS,
         accumulate_grad_batches=ACCUM,
+        use_distributed_sampler=not OWN_SAMPLER,
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
@@ -157,7 +162,10 @@ if __name__ == "__main__":
         for ckpt in ckpts:
             target = out / Path(ckpt).stem
             target.mkdir(parents=True, exist_ok=True)
-            trainer(target, []).fit(Net(str(target)), ckpt_path=ckpt)
+            # The resumed run checkpoints as the docs recommend: with accumulation its first micro-batches leave
+            # global_step at the resumed step, where Lightning's callback would save that step again, mid-window.
+            again = ModelCheckpoint(dirpath=target, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+            trainer(target, [again]).fit(Net(str(target)), ckpt_path=ckpt)
     elif mode == "preempt":
         trainer(out, [PreemptionCheckpoint(out)]).fit(Net(str(out)))
     else:

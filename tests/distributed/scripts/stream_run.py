@@ -41,6 +41,7 @@ DEVICES = int(os.environ.get("DEVICES", "2"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
 EPOCHS = int(os.environ.get("EPOCHS", "2"))
 PERSIST = bool(os.environ.get("PERSIST"))
+OWN_SAMPLERS = False  # Trainer(use_distributed_sampler=False): what users of self-sharding streams set
 N = 64
 FEATURES = torch.randn(N, 8, generator=torch.Generator().manual_seed(0))
 
@@ -184,6 +185,7 @@ def fit(out: Path, ckpt: Path | None = None) -> None:
         accelerator="cpu",
         devices=DEVICES,
         max_epochs=EPOCHS,
+        use_distributed_sampler=not OWN_SAMPLERS,
         callbacks=[every_step],
         logger=False,
         enable_progress_bar=False,
@@ -211,9 +213,10 @@ def write_litdata(directory: Path) -> None:
 
 def configure(config: dict) -> None:
     """Set this process's configuration (the module's globals, as the environment would)."""
-    global SOURCE, DEVICES, WORKERS, PERSIST
+    global SOURCE, DEVICES, WORKERS, PERSIST, OWN_SAMPLERS
     SOURCE, DEVICES = config.get("source", "plain"), int(config.get("devices", 2))
     WORKERS, PERSIST = int(config.get("workers", 2)), bool(config.get("persist", False))
+    OWN_SAMPLERS = bool(config.get("own_samplers", False))
     if SOURCE == "litdata" and not Path(os.environ["LITDATA_DIR"]).exists():
         write_litdata(Path(os.environ["LITDATA_DIR"]))
 
