@@ -43,6 +43,7 @@ from lightning_determinism.rank_states import all_gather, check_ranks, digest, o
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
+from lightning_determinism.strategy_arguments import check_keywords
 from lightning_determinism.topology import Topology
 from lightning_determinism.tree import PairwiseAllReduce
 
@@ -74,6 +75,7 @@ class DeterministicFabricStrategyMixin(SeedingProperties):
         per_sample: bool = False,
         **kwargs: Any,
     ) -> None:
+        check_keywords(type(self), DeterministicFabricStrategyMixin, kwargs)
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
         for name, value in (("seed_workers", seed_workers), ("per_sample", per_sample)):
             if not isinstance(value, bool):

@@ -38,6 +38,7 @@ from lightning_determinism.invariant import InvariantTraining, describe, keep_lo
 from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
+from lightning_determinism.strategy_arguments import check_keywords, check_planned_world
 from lightning_determinism.topology import Topology
 from lightning_determinism.tree import PairwiseAllReduce
 
@@ -86,6 +87,7 @@ class DeterministicStrategyMixin(SeedingProperties):
         invariant_threads: int = 1,
         **kwargs: Any,
     ) -> None:
+        check_keywords(type(self), DeterministicStrategyMixin, kwargs)
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
         self.invariant: InvariantTraining | None = None
         if global_batch_size is not None or micro_batch_size is not None:
@@ -112,7 +114,9 @@ class DeterministicStrategyMixin(SeedingProperties):
     def _configure_launcher(self) -> None:  # type: ignore[misc]
         super()._configure_launcher()  # type: ignore[misc]
         swap_launcher(self, lambda launcher: replace_launcher(launcher, self))
-        if self.invariant is not None:  # in the main process, before any rank exists: refused once, not per rank
+        # In the main process, before any rank exists: refused once, not per rank.
+        check_planned_world(self._ldet_steps, self._ldet_planned_world_size())
+        if self.invariant is not None:
             self.invariant.check_world_size(self._ldet_planned_world_size())
 
     def _ldet_planned_world_size(self) -> int:
@@ -268,12 +272,23 @@ class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
 class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.FSDPStrategy` with deterministic seeding and backends.
 
-    Registered as ``fsdp_deterministic``. Lightning's FSDP runs on CUDA only.
+    Registered as ``fsdp_deterministic``. Lightning's FSDP (FSDP1) runs on CUDA only: a CPU accelerator is refused
+    when the Trainer is built. FSDP2 runs on CPU under Lightning's ``ModelParallelStrategy``.
 
     Examples:
         >>> DeterministicFSDPStrategy(seed=3).seed
         3
     """
+
+    @override
+    def _configure_launcher(self) -> None:
+        devices = self.parallel_devices or []
+        if any(device.type == "cpu" for device in devices):
+            raise ValueError(
+                f"`strategy=fsdp_deterministic` (Lightning's FSDPStrategy, FSDP1) needs CUDA devices, got"
+                f" {len(devices)} CPU device(s); on a CPU, Lightning's ModelParallelStrategy runs FSDP2"
+            )
+        super()._configure_launcher()
 
 
 class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDeviceStrategy):

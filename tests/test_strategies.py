@@ -13,6 +13,7 @@ from lightning_determinism import (
     DeterministicSingleDeviceStrategy,
     DeterministicStrategyMixin,
 )
+from lightning_determinism.fabric import DeterministicFabricDDPStrategy
 from lightning_determinism.strategies import register_strategies
 from tests.helpers import requires_cuda
 from tests.lightning_models import fit, read_records, reference_draws
@@ -71,6 +72,47 @@ def test_ddp_arguments_pass_through():
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
     assert strategy._start_method == "spawn"
     assert (strategy.seed, strategy.debug_mode, strategy.base_seed, strategy.local_seed) == (1, "None", None, None)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: DeterministicDDPStrategy(sed=42), "sed"),
+        (lambda: DeterministicDDPStrategy(seed=1, invariant=True), "invariant"),  # not an argument of ours
+        (lambda: DeterministicSingleDeviceStrategy(seed=1, find_unused_parameters=True), "find_unused_parameters"),
+        (lambda: DeterministicFabricDDPStrategy(sed=42), "sed"),
+    ],
+)
+def test_unknown_keywords_are_refused_at_construction_with_the_accepted_ones(make, name):
+    # Before, they travelled on to DistributedDataParallel and failed at fit, once per rank.
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument\(s\) '{name}'.*; it accepts: .*seed") as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "num_nodes", "match"),
+    [
+        (lambda: DeterministicDDPStrategy(seed=2**32 - 1, start_method="fork"), 2, 1,
+         r"^`seed` must be in \[0, 4294967294\] for world_size=2, got 4294967295$"),
+        (lambda: DeterministicDDPStrategy(seed=2**32 - 3, start_method="fork"), 2, 2,
+         r"^`seed` must be in \[0, 4294967292\] for world_size=4, got 4294967293$"),
+        (lambda: DeterministicDDPStrategy(topology={"mp_degree": 3}, start_method="fork"), 2, 1,
+         r"^`topology=\{'mp_degree': 3\}` does not fit the 2 processes"),
+        (lambda: "fsdp_deterministic", 2, 1, r"^`strategy=fsdp_deterministic` .* needs CUDA devices, got 2 CPU device"),
+    ],
+    ids=["seed-2-ranks", "seed-2-nodes", "topology", "fsdp1-on-cpu"],
+)  # fmt: skip
+def test_what_the_world_size_refuses_is_refused_once_when_the_trainer_is_built(strategy, devices, num_nodes, match):
+    # In the main process, before any rank exists: one error, not one traceback per rank after the launch.
+    with pytest.raises(ValueError, match=match) as info:
+        L.Trainer(strategy=strategy(), accelerator="cpu", devices=devices, num_nodes=num_nodes, logger=False)
+    assert "\n" not in str(info.value)
+
+
+def test_the_largest_seed_is_accepted_on_one_device():
+    strategy = DeterministicSingleDeviceStrategy(seed=2**32 - 1, device="cpu")
+    assert L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False).strategy.seed == 2**32 - 1
 
 
 def test_setup_before_setup_environment_is_a_clear_error():
