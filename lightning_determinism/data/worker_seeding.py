@@ -9,9 +9,11 @@ worker and epoch:
   ``derive_seed(base, rank, worker_id, iterator_seed)``, where ``iterator_seed`` is the seed PyTorch drew
   for that iterator (``torch.initial_seed() - worker_id`` in the worker); the user's own function runs after it.
 - ``generator`` (unless the user gave one): a loader-private ``torch.Generator`` seeded from
-  ``derive_seed(base, rank, "loader", stage, n)``. PyTorch draws each iterator's seed, and a ``RandomSampler`` its
-  shuffle, from it instead of from the global RNG, so the data stream no longer depends on how many random numbers
-  the model consumed.
+  ``derive_seed(base, rank, "loader", stage, n)``. PyTorch draws each iterator's seed from it instead of from the
+  global RNG, so the data stream no longer depends on how many random numbers the model consumed.
+- a ``RandomSampler`` (unless the user gave it a generator): a generator of its own, from
+  ``derive_seed(base, rank, "sampler", stage, n)``, and no draw past its last index (:class:`_ExactRandomSampler`),
+  so each epoch's shuffle depends on the epochs before, not on how far ahead the loader's iterator read.
 - with ``per_sample=True``, every ``dataset[i]`` runs under RNG state seeded from
   ``derive_seed(base, "sample", epoch, i)``: the same sample, bitwise, whatever the number of workers, the batch
   size or the world size.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import functools
 import random
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -59,6 +61,28 @@ class _SeedWorker:
         _seed_streams(derive_seed(self.base_seed, self.rank, worker_id, iterator_seed))
         if self.user_fn is not None:
             self.user_fn(worker_id)  # after ours, so the user can still override
+
+
+class _ExactRandomSampler(RandomSampler):
+    """PyTorch's ``RandomSampler`` without the draw it makes when asked for an index past its last one.
+
+    ``RandomSampler.__iter__`` (without replacement) draws one permutation per ``n`` indices, then one more for the
+    ``num_samples % n`` left: an empty slice of a full permutation when none are left, drawn only if its iterator is
+    asked for one index more than there are. A multi-process loader's prefetch asks; an in-process one, which
+    Lightning stops after ``len(loader)`` batches, does not when the batch size divides the dataset: the next
+    epoch's shuffle then depended on ``num_workers``. Here: the same draws in the same order, minus that one.
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.data_source)
+        # With replacement the last draw is an empty `randint`, which draws nothing.
+        if self.replacement or self.generator is None or not n or self.num_samples % n:
+            return super().__iter__()
+        return self._whole_permutations(n, self.num_samples // n)
+
+    def _whole_permutations(self, n: int, count: int) -> Iterator[int]:
+        for _ in range(count):  # `yield from` a list: a resumed epoch's skip (`_index_skip.consume`) stays O(1)
+            yield from torch.randperm(n, generator=self.generator).tolist()
 
 
 class _PerSampleGetItems:
@@ -183,6 +207,8 @@ class LoaderSeeding:
             ):
                 sampler.generator = self._new_generator(f"{stage}/{index}/sampler", "sampler", stage, index)
                 sampler._ldet_generator = True  # type: ignore[attr-defined]
+                if type(sampler) is RandomSampler:  # a user's subclass may iterate its own way: left as it is
+                    sampler.__class__ = _ExactRandomSampler
         if self.per_sample:
             self._install_per_sample(dataloader, self.epoch if epoch is None else epoch)
         return dataloader
