@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -160,11 +161,14 @@ PIECES: tuple[Piece, ...] = (
           lambda: _assigns(f"{_PL}:Trainer", "_accelerator_connector")()
           and _assigns(f"{_PL}.trainer.connectors.accelerator_connector:_AcceleratorConnector",
                        "use_distributed_sampler", "cluster_environment")()),
-    Piece("lightning.pytorch.Trainer._checkpoint_connector.hpc_save_path, ._signal_connector._slurm_sigusr_handler_fn",
-          "SLURM requeue at a step boundary must go through Lightning's own handler and checkpoint name",
+    Piece("lightning.pytorch.Trainer._checkpoint_connector.hpc_save_path, ._signal_connector._slurm_sigusr_handler_fn,"
+          " ._signal_connector._original_handlers",
+          "SLURM requeue at a step boundary must go through Lightning's own handler and checkpoint name; after a"
+          " preemption checkpoint, the handlers Lightning restores at teardown must keep a repeated signal ignored",
           lambda: _assigns(f"{_PL}:Trainer", "_checkpoint_connector", "_signal_connector")()
           and _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.hpc_save_path")()
-          and _exists(f"{_PL}.trainer.connectors.signal_connector:_SignalConnector._slurm_sigusr_handler_fn")()),
+          and _exists(f"{_PL}.trainer.connectors.signal_connector:_SignalConnector._slurm_sigusr_handler_fn")()
+          and _assigns(f"{_PL}.trainer.connectors.signal_connector:_SignalConnector", "_original_handlers")()),
     Piece("lightning.pytorch.Trainer._teardown, ._results (.batch)",
           "a rank stopping on purpose tears down as Lightning does; `_results.batch` tells a per-step collective",
           lambda: _exists(f"{_PL}:Trainer._teardown")() and _exists(f"{_PL}:Trainer._results")()
@@ -300,6 +304,13 @@ def slurm_requeue(trainer: Any, signum: int) -> str:
     path = str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))  # before it saves
     _private(_private(trainer, "_signal_connector"), "_slurm_sigusr_handler_fn")(signum, None)
     return path
+
+
+def keep_ignored_after_teardown(trainer: Any, signums: Any) -> None:
+    """Have Lightning's signal connector put ``SIG_IGN`` back for ``signums`` at teardown, not its originals."""
+    originals = _private(_private(trainer, "_signal_connector"), "_original_handlers")
+    for signum in signums:
+        originals[signum] = signal.SIG_IGN
 
 
 def module_trainer(module: Any) -> Any:

@@ -18,10 +18,8 @@ Lightning's own launchers, with three things added:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
-import sys
 import threading
 import warnings
 from typing import Any
@@ -38,12 +36,12 @@ from lightning_determinism._compat import (
     suggested_max_num_threads,
     teardown_trainer,
 )
+from lightning_determinism._process import die_with_parent
 from lightning_determinism.errors import DeterminismWarning
 
 PARENT_PID_ENV = "LDET_LAUNCHER_PID"
 """Set for the popen launcher's child scripts: the pid of the rank-0 process that started them."""
 
-_PR_SET_PDEATHSIG = 1
 _EXIT_HOOK_REGISTERED = False
 
 
@@ -59,24 +57,6 @@ def destroy_gloo_group_at_exit() -> None:
     if not _EXIT_HOOK_REGISTERED:
         atexit.register(destroy_gloo_group)
         _EXIT_HOOK_REGISTERED = True
-
-
-def die_with_parent(parent_pid: int) -> bool:
-    """Have the kernel kill this process when its parent dies; exit now if the parent is already gone.
-
-    Linux only (``prctl``); elsewhere nothing happens and ``False`` is returned.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent_pid:  # the parent died before the request was in place
-        os._exit(1)
-    return True
 
 
 def running_threads() -> int:
@@ -121,11 +101,15 @@ class CleanExitLauncher(MultiProcessingLauncher):
                 stacklevel=4,  # the user's trainer.fit(...) line
             )
         previous = self._forward_sigterm()
+        stopping = False
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        except SystemExit:
+            stopping = True  # the ranks stopped on purpose (a preemption): a repeated SIGTERM must not kill the exit
+            raise
         finally:
             if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else previous)
 
     def _forward_sigterm(self) -> Any:
         """In the main process, pass SIGTERM on to the ranks (which checkpoint or stop) instead of dying of it."""

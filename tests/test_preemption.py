@@ -27,9 +27,13 @@ def _fit(tmp_path, module, **kwargs):
     callback = PreemptionCheckpoint(tmp_path)
     trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=2, callbacks=[callback], **kwargs)
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stop:
-        trainer.fit(module)
-    assert signal.getsignal(signal.SIGTERM) == before  # the handler is gone again
+    try:
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(module)
+        # Until the process has exited a repeated signal is ignored: it must not kill the clean exit.
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
     return callback, trainer, stop.value.code
 
 
@@ -69,8 +73,21 @@ def test_under_slurm_sigusr1_runs_lightnings_requeue_at_the_step_boundary(tmp_pa
 def test_bad_arguments_name_themselves():
     with pytest.raises(TypeError, match="`filename` must be a non-empty str, got 3"):
         PreemptionCheckpoint(filename=3)
-    with pytest.raises(TypeError, match="`exit_code` must be an int, got '1'"):
+    with pytest.raises(TypeError, match="`exit_code` must be an int or 'signal', got '1'"):
         PreemptionCheckpoint(exit_code="1")
+
+
+def test_exit_code_signal_is_128_plus_the_signal(tmp_path):
+    module = _SignalAt(str(tmp_path), signal.SIGTERM, at=1)
+    callback = PreemptionCheckpoint(tmp_path, exit_code="signal")
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=1, callbacks=[callback])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(module)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stop.value.code == 128 + signal.SIGTERM == 143
 
 
 def test_it_pickles_without_its_handlers():

@@ -10,6 +10,8 @@ leaves through ``SystemExit``: teardown runs, no traceback is printed, the proce
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 from pathlib import Path
 from types import FrameType
@@ -19,11 +21,17 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.callbacks import Callback
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
-from lightning_determinism._compat import accelerator_connector, should_accumulate, slurm_requeue
+from lightning_determinism._compat import (
+    accelerator_connector,
+    keep_ignored_after_teardown,
+    should_accumulate,
+    slurm_requeue,
+)
+from lightning_determinism.errors import DeterminismWarning
 
 
 class PreemptionCheckpoint(Callback):
@@ -33,7 +41,10 @@ class PreemptionCheckpoint(Callback):
         dirpath: where the checkpoint goes; ``None`` takes the first ``ModelCheckpoint``'s directory, else
             ``trainer.default_root_dir``.
         filename: the checkpoint's name, without ``.ckpt``.
-        exit_code: the status the processes exit with after the checkpoint (``0``: a clean stop).
+        exit_code: the status the processes exit with after the checkpoint: an int (``0``, the default: a clean
+            stop, what SLURM's requeue expects), or ``"signal"``: ``128 + signum`` (143 for ``SIGTERM``), what a
+            shell reports for death by that signal, for schedulers that restart only failed processes (a Kubernetes
+            Job's pod, TorchElastic's ``--max-restarts``). See docs/preemption.md.
         signals: the signals that mean "preempted"; ``None`` is ``SIGTERM``, plus ``SIGUSR1`` when Lightning's SLURM
             environment requeues the job (``auto_requeue``). Then Lightning's requeue runs at the step boundary too.
 
@@ -51,13 +62,13 @@ class PreemptionCheckpoint(Callback):
         self,
         dirpath: str | Path | None = None,
         filename: str = "preempted",
-        exit_code: int = 0,
+        exit_code: int | str = 0,
         signals: tuple[int, ...] | None = None,
     ) -> None:
         if not isinstance(filename, str) or not filename:
             raise TypeError(f"`filename` must be a non-empty str, got {filename!r}")
-        if isinstance(exit_code, bool) or not isinstance(exit_code, int):
-            raise TypeError(f"`exit_code` must be an int, got {exit_code!r}")
+        if exit_code != "signal" and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+            raise TypeError(f"`exit_code` must be an int or 'signal', got {exit_code!r}")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.filename = filename
         self.exit_code = exit_code
@@ -89,6 +100,13 @@ class PreemptionCheckpoint(Callback):
         for signum in signals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handler)
+        if not any(isinstance(cb, ModelCheckpoint) for cb in trainer.checkpoint_callbacks):
+            rank_zero_warn(
+                "PreemptionCheckpoint: the trainer has no ModelCheckpoint, so a requeued run's"
+                f" fit(ckpt_path='last') will not find the preemption checkpoint; resume it with"
+                f" ckpt_path='{self._target(trainer)}'.",
+                category=DeterminismWarning,
+            )
 
     def _restore_handlers(self) -> None:
         for signum, handler in self._previous.items():
@@ -101,7 +119,16 @@ class PreemptionCheckpoint(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.preempted:
+            return  # our own SystemExit: the signals stay ignored until the process has exited
         self._restore_handlers()
+
+    def _ignore_from_now_on(self, trainer: pl.Trainer) -> None:
+        """After the checkpoint: a repeated signal (SLURM, a user's second ``kill``) must not kill the clean exit."""
+        for signum in self._previous:
+            signal.signal(signum, signal.SIG_IGN)
+        keep_ignored_after_teardown(trainer, list(self._previous))  # Lightning's teardown restores its originals
+        self._previous = {}
 
     @override
     def on_train_batch_end(
@@ -119,12 +146,15 @@ class PreemptionCheckpoint(Callback):
         else:
             self.path = self._target(trainer)
             trainer.save_checkpoint(self.path, weights_only=False)  # every rank takes part; rank 0 writes
+            _link_as_last(trainer, self.path)
+        code = 128 + signum if self.exit_code == "signal" else int(self.exit_code)
         rank_zero_info(
             f"Preempted by signal {signum}: checkpoint at step {trainer.global_step} written to {self.path};"
-            f" resume with trainer.fit(..., ckpt_path={str(self.path)!r}). Exiting with status {self.exit_code}."
+            f" resume with trainer.fit(..., ckpt_path={str(self.path)!r}) or ckpt_path='last'. Exiting with status"
+            f" {code}."
         )
-        self._restore_handlers()
-        raise SystemExit(self.exit_code)
+        self._ignore_from_now_on(trainer)
+        raise SystemExit(code)
 
     def _target(self, trainer: pl.Trainer) -> Path:
         dirpath = self.dirpath
@@ -132,6 +162,38 @@ class PreemptionCheckpoint(Callback):
             checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
             dirpath = Path(checkpoint_dir) if checkpoint_dir else Path(trainer.default_root_dir)
         return dirpath / f"{self.filename}.ckpt"
+
+
+LAST_LINK = "last-preempted.ckpt"
+"""The link to the preemption checkpoint in each ``ModelCheckpoint`` directory: ``ckpt_path="last"`` considers it."""
+
+
+def _link_as_last(trainer: pl.Trainer, path: Path) -> None:
+    """Make ``fit(ckpt_path="last")`` find ``path``: Lightning takes the newest ``last*.ckpt`` of its checkpoint dirs.
+
+    A link named ``last-preempted.ckpt`` in the directory of every ``ModelCheckpoint`` (Lightning's own convention
+    for ``save_last="link"``: a relative symlink, a copy where links are not allowed), replaced atomically.
+    """
+    if trainer.is_global_zero:
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if not isinstance(callback, ModelCheckpoint) or not dirpath:
+                continue
+            link = Path(dirpath) / LAST_LINK
+            if link.resolve() == path.resolve() or (
+                path.parent.resolve() == link.parent.resolve()
+                and path.stem.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)
+            ):
+                continue  # it is found as it is
+            link.parent.mkdir(parents=True, exist_ok=True)
+            temporary = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+            try:
+                temporary.unlink(missing_ok=True)
+                temporary.symlink_to(os.path.relpath(path, link.parent))
+            except OSError:
+                shutil.copyfile(path, temporary)
+            os.replace(temporary, link)
+    trainer.strategy.barrier("ldet-preemption-link")
 
 
 def _agree(signum: int, trainer: pl.Trainer) -> int:
@@ -143,4 +205,4 @@ def _agree(signum: int, trainer: pl.Trainer) -> int:
     return int(flag.item())
 
 
-__all__ = ["PreemptionCheckpoint"]
+__all__ = ["LAST_LINK", "PreemptionCheckpoint"]

@@ -27,6 +27,7 @@ from lightning_determinism._compat_data import (
     shutdown_workers,
     worker_processes,
 )
+from lightning_determinism._process import die_with_parent
 from lightning_determinism.errors import DeterminismWarning
 
 WORKER_START_TIMEOUT_S = 30.0
@@ -43,6 +44,31 @@ class StartedFlag:
         self.flags[worker_id] = 1
         if self.inner is not None:
             self.inner(worker_id)
+
+
+class PreemptibleWorker:
+    """A ``worker_init_fn`` wrapper: the worker ignores ``SIGTERM`` and dies with its rank; then the user's runs.
+
+    SLURM (and Kubernetes) signal every process of a job step at a preemption, data-loader workers included.
+    PyTorch's workers die of ``SIGTERM`` and their rank then fails with "DataLoader worker ... exited unexpectedly"
+    before a preemption checkpoint can be written. The rank decides instead: it stops at the next step boundary
+    (:class:`~lightning_determinism.PreemptionCheckpoint`, or Lightning's own handler) and shuts its workers down
+    as usual. A worker whose rank dies (``SIGKILL`` after the grace period) is killed by the kernel with it.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        die_with_parent(os.getppid())
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def preemptible(init: Any) -> Any:
+    """``init`` wrapped in :class:`PreemptibleWorker` (once)."""
+    return init if isinstance(init, PreemptibleWorker) else PreemptibleWorker(init)
 
 
 def workers_started(iterator: Any, flags: torch.Tensor, timeout: float) -> bool:
@@ -63,10 +89,21 @@ def create_iterator(loader: Any, create: Any) -> Any:
     ``_ldet_snapshot`` / ``_ldet_restore`` give the same RNG states to every attempt.
     """
     workers = int(getattr(loader, "num_workers", 0))
+    if workers == 0:
+        return create()
+    user_fn = getattr(loader, "worker_init_fn", None)
+    setattr(loader, "worker_init_fn", preemptible(user_fn))  # noqa: B010  (a DataLoader attribute)
+    try:
+        return _create_started(loader, create, workers)
+    finally:
+        setattr(loader, "worker_init_fn", user_fn)  # noqa: B010
+
+
+def _create_started(loader: Any, create: Any, workers: int) -> Any:
     context = getattr(loader, "multiprocessing_context", None)
     method = context.get_start_method() if context is not None else mp.get_start_method(allow_none=True)
     reuses = getattr(loader, "persistent_workers", False) and loader_iterator(loader) is not None
-    if workers == 0 or method not in (None, "fork") or reuses:
+    if method not in (None, "fork") or reuses:
         return create()
     states = loader._ldet_snapshot(True)
     for attempt in range(3):
@@ -102,4 +139,11 @@ def create_iterator(loader: Any, create: Any) -> Any:
     )
 
 
-__all__ = ["WORKER_START_TIMEOUT_S", "StartedFlag", "create_iterator", "workers_started"]
+__all__ = [
+    "WORKER_START_TIMEOUT_S",
+    "PreemptibleWorker",
+    "StartedFlag",
+    "create_iterator",
+    "preemptible",
+    "workers_started",
+]

@@ -70,24 +70,9 @@ def assert_continues(straight: dict, resumed: dict, k: int) -> None:
         assert resumed[key] == straight[key], key
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    # One process per configuration (the straight run, then the resumes), two configurations at a time: a phase spends
-    # much of its time starting processes and waiting on rendezvous, which the other one's work fills.
-    pending = list(CONFIGS.items())
-    running: list[tuple[str, subprocess.Popen]] = []
-    while pending or running:
-        while pending and len(running) < 2:
-            name, (env, steps) = pending.pop(0)
-            command = [sys.executable, str(SCRIPT), "both", str(root / name), *map(str, steps)]
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=child_env(**env))  # fmt: skip
-            running.append((name, process))
-        name, process = running.pop(0)
-        out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
-        assert process.returncode == 0, f"{name}: " + out[-3000:] + err[-5000:]
-    return root
+@pytest.fixture
+def runs(resume_runs):  # tests/distributed/conftest.py: one set of runs for this module and test_faults.py
+    return resume_runs
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

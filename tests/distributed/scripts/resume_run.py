@@ -6,6 +6,8 @@ python resume_run.py both OUT K...             # OUT/straight, then OUT/straight
 python resume_run.py preempt OUT               # the whole run under PreemptionCheckpoint; the test sends SIGTERM
                                                # once every rank wrote OUT/ready<rank> at PREEMPT_AT_STEP, where
                                                # the ranks wait for the signal: no race with the end of the run
+                                               # (HOLD=1: after the checkpoint, wait for a second signal)
+python resume_run.py requeue OUT               # the requeued job: the same callbacks, fit(ckpt_path="last")
 
 Environment: DEVICES (1, 2 or 4 gloo ranks, fork), WORKERS (0 or 2), SHUFFLE (1 or 0), PERSIST (persistent workers),
 PERSAMPLE (1: WorkerSeedCallback(per_sample=True), 0: per_sample=False; unset: no WorkerSeedCallback),
@@ -122,6 +124,29 @@ class Net(L.LightningModule):
             (Path(self.out) / "result.json").write_text(json.dumps(state))
 
 
+class HoldAfterCheckpoint(Callback):
+    """The hand-shake for a repeated signal: once the ranks stopped after the preemption checkpoint, the main process
+    (the launcher's; Lightning calls `on_exception` there with the ranks' SystemExit) writes OUT/exiting and waits
+    until the test has signalled again and written OUT/released."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        import multiprocessing
+        import time
+
+        if not isinstance(exception, SystemExit) or multiprocessing.parent_process() is not None:
+            return  # only the main process, not a forked rank
+        (self.out / "exiting.tmp").write_text(str(os.getpid()))
+        (self.out / "exiting.tmp").replace(self.out / "exiting")
+        deadline = time.monotonic() + 300
+        while not (self.out / "released").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the main process was not released within 300 s")
+            time.sleep(0.01)
+
+
 def trainer(out: Path, callbacks: list[Callback]) -> L.Trainer:
     if DEVICES > 1:
         strategy = DeterministicDDPStrategy(seed=17, start_method="fork")
@@ -166,7 +191,15 @@ if __name__ == "__main__":
             # global_step at the resumed step, where Lightning's callback would save that step again, mid-window.
             again = ModelCheckpoint(dirpath=target, every_n_train_steps=1, save_top_k=-1, filename="{step}")
             trainer(target, [again]).fit(Net(str(target)), ckpt_path=ckpt)
-    elif mode == "preempt":
-        trainer(out, [PreemptionCheckpoint(out)]).fit(Net(str(out)))
+    elif mode in ("preempt", "requeue"):
+        # A job's callbacks as on a preemptible cluster: periodic checkpoints (no save_last) in their own directory,
+        # the preemption checkpoint beside them in OUT; a requeued job resumes with ckpt_path="last".
+        periodic = ModelCheckpoint(dirpath=out / "periodic", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        callbacks = [
+            periodic,
+            PreemptionCheckpoint(out),
+            *([HoldAfterCheckpoint(out)] if os.environ.get("HOLD") else []),
+        ]
+        trainer(out, callbacks).fit(Net(str(out)), ckpt_path="last" if mode == "requeue" else None)
     else:
         raise SystemExit(f"unknown mode {mode}")

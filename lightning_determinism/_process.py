@@ -1,0 +1,31 @@
+"""Process-level helpers shared by the launchers and the data-loader workers (a leaf: no Lightning)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel kill this process when its parent dies; exit now if the parent is already gone.
+
+    Linux only (``prctl``); elsewhere nothing happens and ``False`` is returned.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # the parent died before the request was in place
+        os._exit(1)
+    return True
+
+
+__all__ = ["die_with_parent"]
