@@ -26,7 +26,13 @@ from typing_extensions import override
 from lightning_determinism import elastic
 from lightning_determinism._compat import should_accumulate
 from lightning_determinism.backends import determinism_report
-from lightning_determinism.data.positions import consumed_batches, loader_positions, mark_stream_start, set_plan
+from lightning_determinism.data.positions import (
+    consumed_batches,
+    loader_positions,
+    mark_stream_start,
+    set_plan,
+    stock_positions,
+)
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.isolation import training_rng_state
 from lightning_determinism.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
@@ -70,6 +76,7 @@ class RNGStateCheckpoint(Callback):
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
         self._resuming = False
+        self._stock = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -107,6 +114,7 @@ class RNGStateCheckpoint(Callback):
             "ranks": ranks,
             "report": determinism_report(),  # flags, versions, seeds: what `lightning-determinism report` shows
             "invariant": invariant.state() if invariant is not None else None,  # elastic resume
+            "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
         }
 
     @override
@@ -122,7 +130,9 @@ class RNGStateCheckpoint(Callback):
                 category=DeterminismWarning,
             )
             self._pending = None
+            self._stock = _mid_epoch(checkpoint)  # the data position is derived from Lightning's counters
             return
+        _warn_on_other_accumulation(saved, trainer)
         ranks = check_ranks(saved, CHECKPOINT_KEY)
         world_size = saved["world_size"]
         self._pending = saved
@@ -194,6 +204,12 @@ class RNGStateCheckpoint(Callback):
         raise RuntimeError(message)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stock:  # the loops hold the restored counters, the loaders exist, no iterator was created yet
+            self._stock = False
+            set_plan(trainer, stock_positions(trainer))
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's own seeding in setup(), before the first iterator and step.
         saved, self._pending = self._pending, None
@@ -250,6 +266,18 @@ def _save_at_step_boundaries(callback: ModelCheckpoint) -> None:
     """Have ``callback`` save after optimizer steps only (see :class:`_AfterOptimizerSteps`); once."""
     if not isinstance(callback.__dict__.get("on_train_batch_end"), _AfterOptimizerSteps):
         callback.on_train_batch_end = _AfterOptimizerSteps(callback)  # type: ignore[method-assign]
+
+
+def _warn_on_other_accumulation(saved: dict[str, Any], trainer: pl.Trainer) -> None:
+    before = saved.get("accumulate_grad_batches")
+    if before is None or before == trainer.accumulate_grad_batches or saved.get("invariant") is not None:
+        return  # the invariant mode sets its own from the world size (and says so)
+    rank_zero_warn(
+        f"The checkpoint was written with accumulate_grad_batches={before} and is resumed with"
+        f" {trainer.accumulate_grad_batches}: every later optimizer step sums other micro-batches, so the run is not"
+        " the uninterrupted one (each sample is still trained once per epoch).",
+        category=DeterminismWarning,
+    )
 
 
 def _own_positions(saved: list[dict[str, Any]] | None) -> list[dict[str, Any] | None] | None:

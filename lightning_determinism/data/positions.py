@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from lightning_determinism._compat import combined_loader, combined_mode
 from lightning_determinism.data.stateful import is_stateful_loader
 from lightning_determinism.data.stream_loader import stream_entry
+from lightning_determinism.errors import DeterminismWarning
 
 PLAN_ATTR = "_ldet_resume_plan"
 """Attribute of the trainer holding the per-loader resume states read from a checkpoint, until they are used."""
@@ -128,8 +130,99 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
         length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
         cycles = combined_mode(combined) == "max_size_cycle" and length < total
         skip = consumed % length if cycles and length else min(consumed, length)
-        positions.append({"epoch": epoch, "skip": int(skip), "epoch_start": loader._ldet_epoch_start})
+        positions.append(
+            {"epoch": epoch, "skip": int(skip), "epoch_start": loader._ldet_epoch_start, "shape": loader_shape(loader)}
+        )
     return positions
+
+
+def stock_positions(trainer: Any) -> list[dict[str, Any] | None]:
+    """Positions of a mid-epoch checkpoint that holds none (stock Lightning's), from the loops' restored counters.
+
+    Where a loader's order in an epoch depends on the epoch alone (a ``DistributedSampler``, the world-size-invariant
+    sampler, no shuffling) the resumed loader skips the batches Lightning counts as done: every sample of the epoch
+    once, at the right step. Anything else (a ``RandomSampler`` draws its order from RNG state the checkpoint does not
+    hold, a stream) restarts the epoch in a new order while Lightning still counts the batches done, so the epoch
+    trains only as many batches as it had left: said in one warning, naming the loader.
+    """
+    combined = combined_loader(trainer)
+    loaders = list(combined.flattened) if combined is not None else []
+    epochs = trainer.fit_loop.epoch_progress.current
+    consumed = consumed_batches(trainer)
+    if epochs.processed >= epochs.started or not consumed or consumed >= trainer.num_training_batches:
+        return [None] * len(loaders)  # at an epoch boundary: nothing to skip
+    positions: list[dict[str, Any] | None] = []
+    for loader, entry in zip(loaders, loader_positions(trainer), strict=True):
+        map_style = is_converted(loader) and loader._ldet_resumable and not getattr(loader, "_ldet_stream", False)
+        if map_style and order_depends_on_epoch_only(loader):
+            positions.append({"epoch": int(epochs.processed), "skip": int(entry["skip"]), "epoch_start": None})
+            continue
+        positions.append(None)
+        rank_zero_warn(
+            f"The checkpoint was written {consumed} batches into epoch {int(epochs.processed)} without a data"
+            f" position (stock Lightning's), and the training loader `{type(loader).__name__}` draws its order from"
+            " state the checkpoint does not hold: the epoch restarts at its first sample and, as Lightning counts"
+            f" {consumed} batches done, trains only the batches it had left: some samples are trained twice in this"
+            " epoch and others not at all. Resume from an epoch-boundary checkpoint, or from one written under the"
+            " deterministic strategies.",
+            category=DeterminismWarning,
+        )
+    return positions
+
+
+def order_depends_on_epoch_only(loader: Any) -> bool:
+    """Whether a map-style loader's order in an epoch is a function of the epoch (and a seed) alone."""
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return False
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(loader, "sampler", None)
+    if isinstance(sampler, SequentialSampler):
+        return True
+    if type(sampler).__name__ == "InvariantSampler":  # the world-size-invariant sampler: (seed, epoch) only
+        return True
+    # DistributedSampler shuffles by (seed, epoch); Lightning's wrapper of a user's sampler follows that sampler's RNG
+    return isinstance(sampler, DistributedSampler) and type(sampler).__name__ != "DistributedSamplerWrapper"
+
+
+def loader_shape(loader: Any) -> dict[str, int]:
+    """What a saved position in a map-style loader's epoch is relative to: samples, batch size, workers.
+
+    ``per_sample``: 1 where every sample's randomness depends on (seed, epoch, index) only (``WorkerSeedCallback
+    (per_sample=True)``), so the number of workers cannot change a sample.
+
+    Examples:
+        >>> loader_shape(DataLoader(range(10), batch_size=4))
+        {'length': 10, 'batch_size': 4, 'drop_last': 0, 'num_workers': 0, 'per_sample': 0}
+    """
+    dataset = getattr(loader, "dataset", None)
+    getitems = getattr(dataset, "__getitems__", None)
+    try:
+        length = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = -1
+    batch_size = getattr(loader, "batch_size", None)
+    return {
+        "length": int(length),
+        "batch_size": -1 if batch_size is None else int(batch_size),  # a batch sampler of the user's: -1
+        "drop_last": int(bool(getattr(loader, "drop_last", False))),
+        "num_workers": int(getattr(loader, "num_workers", 0)),
+        "per_sample": int(bool(getattr(getitems, "ldet_per_sample", False))),
+    }
+
+
+def shape_change(saved: dict[str, Any], loader: Any) -> tuple[list[str], list[str]]:
+    """How ``loader`` differs from the one a mid-epoch position was saved in: (what moves samples, what moves bits).
+
+    A different length, batch size or ``drop_last`` puts the saved count of batches at other samples (refused); other
+    ``num_workers`` without per-sample seeds draw other numbers in the workers (warned).
+    """
+    now = loader_shape(loader)
+    moved = [f"{key} {saved[key]} -> {now[key]}" for key in ("length", "batch_size", "drop_last")
+             if key in saved and saved[key] != now[key]]  # fmt: skip
+    bits = []
+    if "num_workers" in saved and saved["num_workers"] != now["num_workers"] and not now["per_sample"]:
+        bits.append(f"num_workers {saved['num_workers']} -> {now['num_workers']}")
+    return moved, bits
 
 
 __all__ = [
@@ -140,6 +233,10 @@ __all__ = [
     "loader_positions",
     "mark_stream_start",
     "next_train_epoch",
+    "order_depends_on_epoch_only",
+    "loader_shape",
     "set_plan",
+    "shape_change",
+    "stock_positions",
     "take_resume",
 ]

@@ -40,7 +40,7 @@ from lightning_determinism._compat_data import base_index_sampler, loader_iterat
 from lightning_determinism.data._index_skip import SkipOnce, prime
 from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
-from lightning_determinism.data.positions import current_epoch, is_converted, take_resume
+from lightning_determinism.data.positions import current_epoch, is_converted, shape_change, take_resume
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.stream_loader import create_stream_iterator
 from lightning_determinism.errors import DeterminismWarning
@@ -162,6 +162,8 @@ class ResumableLoaderMixin:
         self._ldet_set_epoch(int(resume["epoch"]))
         start = resume.get("epoch_start")
         skip = int(resume.get("skip", 0))
+        if skip and resume.get("shape") is not None:
+            _check_shape(resume["shape"], self, skip, int(resume["epoch"]))
         if start is None:
             # The epoch had not begun when the checkpoint was written; or the order depends on no RNG state (the
             # world-size-invariant sampler, resumed on another world size): skip without restoring states.
@@ -255,6 +257,26 @@ def _loader_epoch(loader: Any, trainer: Any) -> int:
         return current_epoch(trainer)
     epoch = getattr(loader, "_ldet_epoch", None)  # Fabric: the number of earlier iterations (set by __iter__)
     return int(epoch) if epoch is not None else 0
+
+
+def _check_shape(saved: dict[str, Any], loader: Any, skip: int, epoch: int) -> None:
+    """Refuse a mid-epoch position that other data or batches would misplace; warn when only the bits differ."""
+    moved, bits = shape_change(saved, loader)
+    if moved:
+        raise RuntimeError(
+            f"The checkpoint was written {skip} batches into epoch {epoch} of a training loader whose"
+            f" {', '.join(moved)} since: the saved position, a count of batches, would land on other samples and part"
+            " of the epoch would be trained twice or not at all. Resume from a checkpoint written at an epoch"
+            " boundary, or with the data and batch size it was written with."
+        )
+    if bits:
+        rank_zero_warn(
+            f"The checkpoint was written mid-epoch with {', '.join(bits)}: the interrupted epoch continues at its next"
+            " sample, but randomness drawn in the data-loader workers (augmentations) follows each worker's own"
+            " stream, so the rest of the epoch draws other numbers than the uninterrupted run. With"
+            " WorkerSeedCallback(per_sample=True) a sample's randomness does not depend on num_workers.",
+            category=DeterminismWarning,
+        )
 
 
 def _warn_if_not_bitwise(loader: Any) -> None:
