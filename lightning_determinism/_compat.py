@@ -190,7 +190,15 @@ PIECES: tuple[Piece, ...] = (
     Piece("lightning.fabric.utilities.distributed._suggested_max_num_threads(num_processes)",
           "the intra-op threads Lightning gives each rank, to tell a forked rank that would hang in OpenMP",
           _exists("lightning.fabric.utilities.distributed:_suggested_max_num_threads", "num_processes")),
+    Piece("lightning.pytorch.Trainer._checkpoint_connector.dump_checkpoint(weights_only)",
+          "a preemption during validation is saved by rank 0 alone: trainer.save_checkpoint would wait in a barrier",
+          _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.dump_checkpoint",
+                  "self", "weights_only")),
     # torch
+    Piece("torch.distributed.distributed_c10d._get_default_store(); Store.compare_set, .check",
+          "ranks agree to stop inside an evaluation pass through the store, where a collective could pair with a"
+          " rank's own", lambda: _exists("torch.distributed.distributed_c10d:_get_default_store")()
+          and _exists("torch.distributed:Store.compare_set")() and _exists("torch.distributed:Store.check")()),
     Piece("torch.utils.data._utils.signal_handling._remove_worker_pids",
           "a stuck worker must be killed without torch's SIGCHLD handler reporting it as a crash",
           _exists("torch.utils.data._utils.signal_handling:_remove_worker_pids")),
@@ -304,6 +312,18 @@ def slurm_requeue(trainer: Any, signum: int) -> str:
     path = str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))  # before it saves
     _private(_private(trainer, "_signal_connector"), "_slurm_sigusr_handler_fn")(signum, None)
     return path
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would write, built here without its barrier (rank 0 alone)."""
+    return _private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
+
+
+def default_store() -> Any:
+    """The default process group's key-value store: ranks agree through it without a collective."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return _private(c10d, "_get_default_store")()
 
 
 def keep_ignored_after_teardown(trainer: Any, signums: Any) -> None:

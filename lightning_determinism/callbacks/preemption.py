@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_determinism._compat import (
@@ -31,6 +32,7 @@ from lightning_determinism._compat import (
     should_accumulate,
     slurm_requeue,
 )
+from lightning_determinism.callbacks._evaluation_stop import EvaluationStop
 from lightning_determinism.errors import DeterminismWarning
 
 
@@ -78,6 +80,7 @@ class PreemptionCheckpoint(Callback):
         self.path: Path | None = None
         self._previous: dict[int, Any] = {}
         self._requeue = False
+        self._evaluation = EvaluationStop()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -89,9 +92,19 @@ class PreemptionCheckpoint(Callback):
         self.received = signum
 
     @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After Lightning registered its own handlers (in Trainer._run): this one takes their place until the end of
-        # training, so Lightning's SIGTERM handler does not stop the run before the step is complete.
+        self._install(trainer)
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        # After Lightning registered its own handlers (in Trainer._run, before the sanity check): this one takes their
+        # place until the end of training, so Lightning's SIGTERM handler does not stop the run before the step is
+        # complete.
+        if self._previous:
+            return
         environment = accelerator_connector(trainer).cluster_environment
         self._requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         signals = self.signals
@@ -131,6 +144,33 @@ class PreemptionCheckpoint(Callback):
         self._previous = {}
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and self._previous:
+            self._evaluation.start(trainer)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if trainer.state.fn != TrainerFn.FITTING or not self._previous:
+            return
+        if not self._evaluation.should_stop(self.received or 0):
+            return
+        self.preempted = True
+        signum = self.received or signal.SIGTERM  # a rank told by another one through the store
+        if trainer.sanity_checking:
+            self.path = None  # nothing trained since the run (re)started: the requeued job starts where this one did
+            rank_zero_info(f"Preempted by signal {signum} during the sanity check: nothing to save.")
+        else:
+            self.path = self._target(trainer)
+            self._evaluation.save(trainer, self.path, _link_as_last)  # rank 0 alone; no collective mid-pass
+            rank_zero_info(
+                f"Preempted by signal {signum} during validation: the training state at step {trainer.global_step}"
+                f" written to {self.path} (the validation pass runs again after the resume)."
+            )
+        self._exit(trainer, signum)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -147,12 +187,15 @@ class PreemptionCheckpoint(Callback):
             self.path = self._target(trainer)
             trainer.save_checkpoint(self.path, weights_only=False)  # every rank takes part; rank 0 writes
             _link_as_last(trainer, self.path)
-        code = 128 + signum if self.exit_code == "signal" else int(self.exit_code)
         rank_zero_info(
             f"Preempted by signal {signum}: checkpoint at step {trainer.global_step} written to {self.path};"
-            f" resume with trainer.fit(..., ckpt_path={str(self.path)!r}) or ckpt_path='last'. Exiting with status"
-            f" {code}."
+            f" resume with trainer.fit(..., ckpt_path={str(self.path)!r}) or ckpt_path='last'."
         )
+        self._exit(trainer, signum)
+
+    def _exit(self, trainer: pl.Trainer, signum: int) -> None:
+        code = 128 + signum if self.exit_code == "signal" else int(self.exit_code)
+        rank_zero_info(f"Exiting with status {code}.")
         self._ignore_from_now_on(trainer)
         raise SystemExit(code)
 
@@ -168,7 +211,7 @@ LAST_LINK = "last-preempted.ckpt"
 """The link to the preemption checkpoint in each ``ModelCheckpoint`` directory: ``ckpt_path="last"`` considers it."""
 
 
-def _link_as_last(trainer: pl.Trainer, path: Path) -> None:
+def _link_as_last(trainer: pl.Trainer, path: Path, barrier: bool = True) -> None:
     """Make ``fit(ckpt_path="last")`` find ``path``: Lightning takes the newest ``last*.ckpt`` of its checkpoint dirs.
 
     A link named ``last-preempted.ckpt`` in the directory of every ``ModelCheckpoint`` (Lightning's own convention
@@ -193,7 +236,8 @@ def _link_as_last(trainer: pl.Trainer, path: Path) -> None:
             except OSError:
                 shutil.copyfile(path, temporary)
             os.replace(temporary, link)
-    trainer.strategy.barrier("ldet-preemption-link")
+    if barrier:
+        trainer.strategy.barrier("ldet-preemption-link")
 
 
 def _agree(signum: int, trainer: pl.Trainer) -> int:

@@ -77,6 +77,7 @@ class RNGStateCheckpoint(Callback):
         self._pending: dict[str, Any] | None = None
         self._resuming = False
         self._stock = False
+        self._evaluation_ranks: list[dict[str, Any]] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -88,6 +89,7 @@ class RNGStateCheckpoint(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._evaluation_ranks = None
         mark_stream_start(trainer)
 
     @override
@@ -95,15 +97,10 @@ class RNGStateCheckpoint(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._check_accumulation(trainer)
-        worker_cb = _worker_callback(trainer)
-        rng = training_rng_state()  # during an evaluation pass (ModelCheckpoint at its end): training's, not its own
-        local = {
-            "rng": rng,
-            "digest": _digest(rng),
-            "loaders": worker_cb.loader_states() if worker_cb is not None else {},
-            "data": loader_positions(trainer),  # epoch, batches consumed, the epoch's RNG states: mid-epoch resume
-        }
-        ranks = _all_gather(local)  # every rank takes part; the saving rank writes them all
+        if self._evaluation_ranks is not None and not trainer.training:
+            ranks = self._evaluation_ranks  # an evaluation pass changes none of it (see cache_for_evaluation)
+        else:
+            ranks = _all_gather(self._local_state(trainer))  # every rank takes part; the saving rank writes them all
         invariant = getattr(trainer.strategy, "invariant", None)
         base = current_seeds()["base_seed"]
         checkpoint[CHECKPOINT_KEY] = {
@@ -116,6 +113,25 @@ class RNGStateCheckpoint(Callback):
             "invariant": invariant.state() if invariant is not None else None,  # elastic resume
             "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
         }
+
+    def _local_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        worker_cb = _worker_callback(trainer)
+        rng = training_rng_state()  # during an evaluation pass (ModelCheckpoint at its end): training's, not its own
+        return {
+            "rng": rng,
+            "digest": _digest(rng),
+            "loaders": worker_cb.loader_states() if worker_cb is not None else {},
+            "data": loader_positions(trainer),  # epoch, batches consumed, the epoch's RNG states: mid-epoch resume
+        }
+
+    def cache_for_evaluation(self, trainer: pl.Trainer) -> None:
+        """At an evaluation pass's start, every rank: gather the ranks' states now, for a save during the pass.
+
+        The pass moves none of them (it draws from its own streams, trains nothing, consumes no training batch), so
+        a checkpoint written during it (:class:`~lightning_determinism.PreemptionCheckpoint`, by rank 0 alone)
+        needs no collective; it is dropped at the next training batch.
+        """
+        self._evaluation_ranks = _all_gather(self._local_state(trainer))
 
     @override
     def on_load_checkpoint(

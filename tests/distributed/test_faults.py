@@ -90,3 +90,43 @@ def test_the_requeued_job_finds_the_preemption_checkpoint_with_ckpt_path_last_an
     assert (out / "periodic" / "step=4.ckpt").exists()  # the newer preemption checkpoint is preferred to it
     assert os.path.realpath(out / "periodic" / "last-preempted.ckpt") == str((out / "preempted.ckpt").resolve())
     assert_continues(result(resume_runs / CONFIG / "straight"), result(out), 5)
+
+
+@pytest.fixture(scope="module")
+def preempted_in_validation(tmp_path_factory):
+    """Signalled while every rank holds in batch 1 of the validation pass after epoch 1 (global step 6); requeued."""
+    out = tmp_path_factory.mktemp("validation")
+    env = {**CONFIGS["2-ranks-validation"][0], "PREEMPT_IN_VALIDATION": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "preempt", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(**env),
+        start_new_session=True,
+    )
+    _wait_for([out / "ready0", out / "ready1"], proc, "both ranks held in the validation pass")
+    os.killpg(proc.pid, signal.SIGTERM)
+    output = proc.communicate(timeout=CHILD_TIMEOUT_S)[0]
+    requeue = subprocess.run(
+        [sys.executable, str(SCRIPT), "requeue", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        env=child_env(**CONFIGS["2-ranks-validation"][0]),
+    )
+    return out, proc.returncode, output, requeue
+
+
+def test_a_signal_during_validation_saves_the_training_state_at_once_and_the_pass_runs_again(
+    resume_runs, preempted_in_validation
+):
+    out, returncode, output, requeue = preempted_in_validation
+    assert returncode == 0, output[-4000:]
+    # Saved in the pass, at its next batch (the ranks held in batch 1 of 4), not after its end.
+    assert "during validation: the training state at step 6" in output
+    assert int(torch.load(out / "preempted.ckpt", weights_only=True)["global_step"]) == 6
+    assert requeue.returncode == 0, requeue.stdout[-3000:] + requeue.stderr[-5000:]
+    straight, resumed = result(resume_runs / "2-ranks-validation" / "straight"), result(out)
+    assert_continues(straight, resumed, 6)
+    assert resumed["val"] == {epoch: loss for epoch, loss in straight["val"].items() if int(epoch) >= 1}

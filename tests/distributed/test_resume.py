@@ -36,6 +36,8 @@ CONFIGS = {
     # under ModelCheckpoint(every_n_train_steps=1), which must not save the resumed step again there.
     "1-rank-accumulate": ({"DEVICES": "1", "WORKERS": "0", "ACCUM": "2"}, [4]),
     "2-ranks-accumulate": ({"DEVICES": "2", "WORKERS": "0", "ACCUM": "2"}, [2]),
+    # A validation pass after every epoch (the uninterrupted run for test_faults.py's preemption during validation).
+    "2-ranks-validation": ({"DEVICES": "2", "WORKERS": "0", "VALIDATE": "1"}, []),
     # use_distributed_sampler=False with the user's own DistributedSampler (2 ranks) or RandomSampler (1 rank, workers).
     "2-ranks-own-sampler": ({"DEVICES": "2", "WORKERS": "0", "OWN_SAMPLER": "1"}, [5]),
     "1-rank-own-sampler-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "0", "OWN_SAMPLER": "1"}, [8]),

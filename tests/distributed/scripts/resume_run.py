@@ -43,6 +43,7 @@ DEVICES = int(os.environ.get("DEVICES", "2"))
 WORKERS = int(os.environ.get("WORKERS", "0"))
 EPOCHS = int(os.environ.get("EPOCHS", "3"))
 ACCUM = int(os.environ.get("ACCUM", "1"))
+VALIDATE = bool(os.environ.get("VALIDATE"))  # a validation pass after each epoch (4 batches per rank)
 OWN_SAMPLER = bool(os.environ.get("OWN_SAMPLER"))  # Trainer(use_distributed_sampler=False), a sampler of the user's
 
 
@@ -67,6 +68,7 @@ class Net(L.LightningModule):
         self.out = out
         self.net = None
         self.losses: dict[int, str] = {}
+        self.val: dict[int, str] = {}  # per epoch: the synced validation loss (VALIDATE=1)
 
     def configure_model(self) -> None:
         if self.net is None:  # built here: the same weights on every rank and in every process
@@ -97,6 +99,21 @@ class Net(L.LightningModule):
                 raise RuntimeError(f"rank {self.global_rank}: no signal within 300 s of reaching the step")
             time.sleep(0.01)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("val/loss", loss, on_epoch=True, sync_dist=True)
+        at = os.environ.get("PREEMPT_IN_VALIDATION")  # the epoch in whose validation pass the ranks wait (batch 1)
+        if at and not self.trainer.sanity_checking and self.current_epoch == int(at) and batch_idx == 1:
+            self._wait_for_the_signal()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.val[int(self.current_epoch)] = float(self.trainer.callback_metrics["val/loss"]).hex()
+
+    def val_dataloader(self):
+        return DataLoader(Noisy(16), batch_size=2) if VALIDATE else []
+
     def train_dataloader(self):
         persist = bool(os.environ.get("PERSIST")) and WORKERS > 0
         shuffle = os.environ.get("SHUFFLE", "1") == "1"
@@ -120,6 +137,7 @@ class Net(L.LightningModule):
                 "scheduler": fingerprint(schedulers),
                 "global_step": int(self.trainer.global_step),
                 "losses": self.losses,
+                "val": self.val,
             }
             (Path(self.out) / "result.json").write_text(json.dumps(state))
 
