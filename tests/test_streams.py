@@ -5,6 +5,7 @@ import itertools
 import os
 import random
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -226,3 +227,34 @@ def test_a_rank_that_would_have_one_batch_fewer_repeats_a_sample_and_says_so(mon
     with pytest.warns(DeterminismWarning, match="this rank repeats 1 of them"):
         got = [[int(i) for i in batch["id"]] for batch in resumed]
     assert len(rest) == 9 and got == [[rest[1], rest[3]], [rest[5], rest[7]], [rest[8]]]  # rank 0 has rest[8] too
+
+
+def test_a_litdata_drop_last_other_than_the_checkpoints_is_refused_at_resume_in_one_line():
+    from lightning_determinism._compat_data import litdata_state_for
+
+    loader = SimpleNamespace(dataset=SimpleNamespace(drop_last=False), num_workers=2, batch_size=4)
+    state = {"dataset": {"drop_last": True, "world_size": 1, "initial_world_size": 1, "sample_in_epoch": 8}}
+    said = r"^\[rank: 0\] `drop_last` .* is False, .* planned with True on 1 rank\(s\)"
+    with pytest.raises(ValueError, match=said) as error:
+        litdata_state_for(loader, state)  # one process, True given when it was written: not litdata's default
+    assert "\n" not in str(error.value) and "create it with `drop_last=True`" in str(error.value)
+    assert litdata_state_for(SimpleNamespace(**{**vars(loader), "dataset": SimpleNamespace(drop_last=True)}), state)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("litdata") is None, reason="needs litdata (docs/streaming.md)")
+def test_litdata_default_drop_last_resumes_on_another_world_size_and_deals_the_whole_rest():
+    import litdata.streaming.dataset as litdata_dataset
+
+    from lightning_determinism._compat_data import litdata_exact_restripe, litdata_state_for
+    from lightning_determinism.data.elastic_streams import exact_plans
+
+    # Written on 2 ranks with the default (True), resumed on this one process (False): accepted.
+    loader = SimpleNamespace(dataset=SimpleNamespace(drop_last=False), num_workers=2, batch_size=4)
+    state = {"dataset": {"drop_last": True, "world_size": 2, "initial_world_size": 2, "sample_in_epoch": 24}}
+    assert litdata_state_for(loader, state)["dataset"]["drop_last"] is True  # the epoch stays planned with it
+    # 1 rank -> 2 x 2 workers after 8 of 64 samples: litdata's planner kept 48 of the 56 left (drop_last).
+    assert litdata_exact_restripe(exact_plans)
+    stream = [(i // 8, i) for i in range(64)]
+    grid = {"world_size": 2, "num_workers": 2, "batch_size": 4}
+    plans = litdata_dataset.restripe_items(stream, **grid, drop_first=8, drop_last=True)
+    assert sorted(item for plan in plans for _, items in plan for item in items) == list(range(8, 64))

@@ -17,6 +17,10 @@ around it under Lightning:
   let Lightning count that epoch's batches anew. A checkpoint written during such an epoch keeps the state it was
   loaded from: resumed on the same grid, the epoch is planned again from it and the batches already consumed are
   read and dropped (litdata would start its workers' round-robin at the first worker there).
+- litdata's default ``drop_last`` follows the world size (``True`` on 2 or more ranks, ``False`` on one), and litdata
+  refuses a state whose ``drop_last`` is not the dataset's: on another world size that difference is accepted (the
+  interrupted epoch stays planned as its grid planned it, ``_compat_data.litdata_default_drop_last``) and the states
+  taken during that epoch keep the planning value; any other difference is refused at resume, in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_determinism._compat_data import litdata_exact_restripe, litdata_state_for
+from lightning_determinism._compat_data import litdata_exact_restripe, litdata_planned_drop_last, litdata_state_for
 from lightning_determinism.data.elastic_streams import exact_plans
 from lightning_determinism.data.streams import HISTORY  # batches kept to take a position back (fetched ahead)
 from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
@@ -111,7 +115,10 @@ class _StatefulIterator:
     def _delivered(self, batch: Any) -> Any:
         loader = self.loader
         loader._ldet_batches += 1
-        loader._ldet_history.append((loader._ldet_batches, _base(loader).state_dict(loader)))
+        state = _base(loader).state_dict(loader)
+        if loader._ldet_origin is not None:  # litdata's default drop_last on another world size: the planning one
+            state = litdata_planned_drop_last(state, loader._ldet_origin)
+        loader._ldet_history.append((loader._ldet_batches, state))
         return batch
 
 

@@ -73,11 +73,23 @@ OPTIONAL = {
             "name": "litdata-workers",
             "own_samplers": True,
             "source": "litdata",
+            "drop_last": "default",  # StreamingDataset's own: True on 2 or more ranks, False on one
             "workers": 2,
             "chain": [3, 11],
             "elastic": [[1, 3], [4, 3], [4, 5, 1]],
-            "elastic_again": [["elastic1", 1, 6], ["elastic4", 4, 4], ["elastic4", 1, 5]],
-        }
+            "elastic_drop_last_true": [[1, 3]],  # drop_last=True given: the same on every world size
+            "elastic_again": [["elastic1", 1, 6], ["elastic1", 2, 6], ["elastic4", 4, 4], ["elastic4", 1, 5]],
+        },
+        # 1 rank (drop_last False by default) resumed on 2 (True), where litdata's planner would drop samples
+        {
+            "name": "litdata-1-rank",
+            "source": "litdata",
+            "drop_last": "default",
+            "devices": 1,
+            "workers": 0,
+            "chain": [],
+            "elastic": [[2, 2, 2]],
+        },
     ],
 }
 CONFIGS = BASE + [config for configs in OPTIONAL.values() for config in configs]
@@ -224,6 +236,10 @@ ELASTIC = [
     ("litdata-workers", "elastic4", [("straight", 3)]),
     ("litdata-workers", "elastic4w1", [("straight", 5)]),  # past the new grid's per-rank length (litdata refused)
     ("litdata-workers", "elastic4-1at5", [("straight", 3), ("elastic4", 5)]),
+    # litdata's default drop_last (True on 2+ ranks, False on 1; it refused the change), and True given on 1 rank
+    ("litdata-workers", "elastic1-drop-last-true", [("straight", 3)]),
+    ("litdata-workers", "elastic1-2at6", [("straight", 3), ("elastic1", 6)]),  # 2 -> 1 -> 2 ranks
+    ("litdata-1-rank", "elastic2w2", [("straight", 2)]),  # 1 -> 2 ranks: all 56 samples left, not 48
 ]
 
 
@@ -241,7 +257,7 @@ def test_a_stream_resumed_on_another_grid_trains_each_remaining_sample_once_with
             pytest.skip(f"needs {module} (pip install -e '.[streaming]')")
     root = runs[0] / name
     straight = result(root / "straight")
-    per_epoch = steps_per_epoch({})
+    per_epoch = steps_per_epoch(next(config for config in CONFIGS if config["name"] == name))
     first_epoch = dict(_samples(straight, list(range(1, per_epoch + 1))))  # id -> the bits of its content
     before: list[tuple[int, int]] = []
     start = 0

@@ -2,7 +2,8 @@
 
 python stream_run.py configs OUT JSON      # for each config of the JSON list: straight, chain and elastic runs
                                            # (elastic: [devices, step, workers?] resume straight/ on another grid;
-                                           # elastic_again: [run, devices, step, workers?] resume that run again)
+                                           # elastic_again: [run, devices, step, workers?] resume that run again;
+                                           # elastic_drop_last_true: as elastic, litdata's drop_last=True given)
 python stream_run.py straight OUT          # the whole run, a checkpoint after every step: OUT/step=K.ckpt
 python stream_run.py elastic OUT K         # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
 python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1 (checkpointing every step), then
@@ -11,7 +12,7 @@ python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1
 Environment: SOURCE (plain: a generator with a shuffle buffer and noise drawn in the worker, replayed; plain-state:
 the same with state_dict/load_state_dict; hf: Hugging Face datasets, shuffled, split by node; litdata: a
 StreamingDataset over a directory written by litdata.optimize in the test), DEVICES (1 or 2 gloo ranks, fork),
-WORKERS, PERSIST (persistent workers), EPOCHS.
+WORKERS, PERSIST (persistent workers), EPOCHS, DROP_LAST (litdata: "default" leaves StreamingDataset's own, else True).
 Rank 0 records, per step, the sample ids every rank consumed, the synced loss, and a fingerprint of the final
 parameters and optimizer state.
 """
@@ -41,6 +42,7 @@ DEVICES = int(os.environ.get("DEVICES", "2"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
 EPOCHS = int(os.environ.get("EPOCHS", "2"))
 PERSIST = bool(os.environ.get("PERSIST"))
+DROP_LAST = os.environ.get("DROP_LAST", "true")  # litdata's drop_last: "default" (None: True on 2+ ranks, else False)
 OWN_SAMPLERS = False  # Trainer(use_distributed_sampler=False): what users of self-sharding streams set
 N = 64
 FEATURES = torch.randn(N, 8, generator=torch.Generator().manual_seed(0))
@@ -123,7 +125,8 @@ def hf_unshuffled():
 def litdata_loader():
     from litdata import StreamingDataLoader, StreamingDataset
 
-    dataset = StreamingDataset(os.environ["LITDATA_DIR"], shuffle=True, seed=5, drop_last=True)
+    drop_last = None if DROP_LAST == "default" else True
+    dataset = StreamingDataset(os.environ["LITDATA_DIR"], shuffle=True, seed=5, drop_last=drop_last)
     return StreamingDataLoader(dataset, batch_size=4, num_workers=WORKERS)
 
 
@@ -213,8 +216,9 @@ def write_litdata(directory: Path) -> None:
 
 def configure(config: dict) -> None:
     """Set this process's configuration (the module's globals, as the environment would)."""
-    global SOURCE, DEVICES, WORKERS, PERSIST, OWN_SAMPLERS
+    global SOURCE, DEVICES, WORKERS, PERSIST, OWN_SAMPLERS, DROP_LAST
     SOURCE, DEVICES = config.get("source", "plain"), int(config.get("devices", 2))
+    DROP_LAST = str(config.get("drop_last", "true"))
     WORKERS, PERSIST = int(config.get("workers", 2)), bool(config.get("persist", False))
     OWN_SAMPLERS = bool(config.get("own_samplers", False))
     if SOURCE == "litdata" and not Path(os.environ["LITDATA_DIR"]).exists():
@@ -234,6 +238,10 @@ def run_configs(out: Path, configs: list[dict]) -> None:
         for devices, k, *workers in config.get("elastic", []):  # another world size (and num_workers)
             configure({**config, "devices": devices, "workers": workers[0] if workers else config.get("workers", 2)})
             fit(root / elastic_name(devices, workers), root / "straight" / f"step={k}.ckpt")
+        for devices, k, *workers in config.get("elastic_drop_last_true", []):  # litdata: drop_last=True given
+            workers = workers or [config.get("workers", 2)]
+            configure({**config, "devices": devices, "workers": workers[0], "drop_last": "true"})
+            fit(root / f"{elastic_name(devices, [])}-drop-last-true", root / "straight" / f"step={k}.ckpt")
         for name, devices, k, *workers in config.get("elastic_again", []):  # a run resumed elastically, again
             configure({**config, "devices": devices, "workers": workers[0] if workers else config.get("workers", 2)})
             fit(root / f"{name}-{devices}at{k}", root / name / f"step={k}.ckpt")
@@ -248,7 +256,7 @@ if __name__ == "__main__":
     if mode == "configs":  # python stream_run.py configs OUT '[{"name": ..., "source": ..., "chain": [3, 5]}]'
         run_configs(out, json.loads(sys.argv[3]))
         raise SystemExit(0)
-    configure({"source": SOURCE, "devices": DEVICES, "workers": WORKERS, "persist": PERSIST})
+    configure({"source": SOURCE, "devices": DEVICES, "workers": WORKERS, "persist": PERSIST, "drop_last": DROP_LAST})
     if mode == "straight":
         fit(out)
     elif mode == "elastic":  # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
