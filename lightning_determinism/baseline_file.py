@@ -1,8 +1,9 @@
 """NumericalBaseline files: the format, its default tolerances, reading, describing and comparing them.
 
-Used by the callback (writing, comparing a run) and by the command line (comparing two files). A non-finite value
-(NaN, ``inf``) is never "equal": a divergence finder that passes NaN is worse than none. Identical non-finite values
-can be accepted on request (``nonfinite_equal=True``).
+Used by the callback (writing, whole or not at all by :func:`~lightning_determinism.atomic_file.write_atomically`;
+comparing a run) and by the command line (comparing two files). A non-finite value (NaN, ``inf``) is never "equal":
+a divergence finder that passes NaN is worse than none. Identical non-finite values can be accepted on request
+(``nonfinite_equal=True``).
 
 This module is a leaf: it knows json and math, nothing of torch or Lightning.
 """

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_determinism.atomic_file import write_atomically
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.baseline_file import (
     DEFAULT_ATOL,
@@ -229,14 +230,13 @@ class BaselineRecorder:
 
     def _write(self) -> None:
         if _rank() == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             payload = {
                 "format": FORMAT,
                 "world_size": _rank_and_world_size()[1],
                 "steps": self.records,
                 "report": determinism_report(),
             }
-            self.path.write_text(json.dumps(payload, indent=1))
+            write_atomically(self.path, json.dumps(payload, indent=1))  # whole or not at all
 
     def _compare(self, record: dict[str, Any]) -> None:
         assert self._reference is not None

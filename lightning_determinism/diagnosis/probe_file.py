@@ -1,7 +1,8 @@
 """DivergenceProbe files: the format, reading and checking them.
 
 Written by :class:`~lightning_determinism.diagnosis.recorder.ProbeRecorder` (rank 0, after gathering every rank's
-records), read by :func:`~lightning_determinism.diagnosis.diagnose.diagnose` and the command line. JSON::
+records; whole or not at all, by :func:`~lightning_determinism.atomic_file.write_atomically`), read by
+:func:`~lightning_determinism.diagnosis.diagnose.diagnose` and the command line. JSON::
 
     {"format": 1, "kind": "divergence-probe", "world_size": W, "invariant": {"global_batch_size", "micro_batch_size"}
      or null, "modules": {path: type}, "parameters": {name: owner module path}, "report": determinism_report(),

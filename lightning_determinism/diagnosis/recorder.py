@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_determinism.atomic_file import write_atomically
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.diagnosis.digest import digest, norm, rng_digests, sample_summary
 from lightning_determinism.diagnosis.hooks import ModuleHooks
@@ -293,8 +294,7 @@ class ProbeRecorder:
             "steps": steps,
             "report": determinism_report(),
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(payload, separators=(",", ":")))
+        write_atomically(self.path, json.dumps(payload, separators=(",", ":")))  # whole or not at all
 
 
 __all__ = ["ProbeRecorder", "check_steps", "unwrap"]
