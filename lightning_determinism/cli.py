@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -77,54 +76,19 @@ def _print_flags(report: dict[str, Any]) -> None:
     print(f"\n{len(bad)} setting(s) to look at" if bad else "\nnothing found that breaks reproducibility")
 
 
-# How torch.save's files begin: a zip archive (since torch 1.6), or the legacy format's pickled magic number.
-_ZIP_START = b"PK\x03\x04"
-_LEGACY_START = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
-
-
-def _size(n: int) -> str:
-    """A file size for a message.
-
-    Examples:
-        >>> _size(5510)
-        '5510 bytes'
-        >>> _size(1_234_567_890)
-        '1.23 GB (1234567890 bytes)'
-    """
-    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
-
-
-def _damaged(path: Path, start: bytes, refused: bool) -> bool:
-    """Whether a file that begins like a torch file (``start``) is one cut short or corrupted, not a foreign one."""
-    if start.startswith(_ZIP_START):
-        try:  # opening reads the central directory, which a zip archive keeps at its end: a cut-off write lacks it
-            with zipfile.ZipFile(path):
-                return False
-        except (zipfile.BadZipFile, OSError, ValueError):
-            return True
-    return start == _LEGACY_START and not refused
-
-
 def _unreadable(path: Path, err: Exception) -> _BadInput:
     """One line for a file ``torch.load(weights_only=True)`` cannot read, instead of torch's page of advice."""
+    from lightning_determinism.checkpoint_integrity import is_torch_file, load_failure_message
+
+    damaged = load_failure_message(path, err)  # what the plugin's load and the check before a launch say too
+    if damaged is not None:
+        return _BadInput(damaged)
     expected = "a Lightning checkpoint (.ckpt) or a NumericalBaseline file (.json)"
+    if not is_torch_file(path):
+        return _BadInput(f"{path}: not a checkpoint or baseline file (expected {expected})")
     lines = [line.strip() for line in str(err).splitlines()]
     refused = next((line for line in lines if line.startswith("WeightsUnpickler error")), None)
     first = lines[0] if lines and lines[0] else type(err).__name__  # EOFError has no message
-    size = path.stat().st_size
-    with open(path, "rb") as file:
-        start = file.read(len(_LEGACY_START))
-    if size == 0:
-        return _BadInput(f"{path}: an empty file (0 bytes), not a checkpoint or baseline file")
-    if _damaged(path, start, refused is not None):
-        # The first sentence: torch goes on with advice ("This is an internal miniz error. ...").
-        why = first.split(". ")[0]
-        return _BadInput(f"{path}: a damaged or truncated checkpoint ({_size(size)}; torch.load: {why})")
-    if not (start.startswith(_ZIP_START) or start == _LEGACY_START):
-        return _BadInput(f"{path}: not a checkpoint or baseline file (expected {expected})")
     why = refused.split(". ")[0] if refused else first[:120]
     return _BadInput(
         f"{path}: a torch file that torch.load(weights_only=True) cannot read ({why}); expected {expected}"
@@ -157,6 +121,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     """
     import torch
 
+    from lightning_determinism.checkpoint_integrity import DamagedCheckpointError, describe_digest, verify_digest
     from lightning_determinism.rank_states import CHECKPOINT_KEY
 
     try:
@@ -165,6 +130,11 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         raise _unreadable(path, err) from None
     if not isinstance(checkpoint, dict):
         raise _BadInput(f"{path}: not a Lightning checkpoint (a {type(checkpoint).__name__}, not a dict)")
+    digest = describe_digest(checkpoint)
+    try:
+        verify_digest(path, checkpoint)  # as the plugin's load says it
+    except DamagedCheckpointError as err:
+        raise _BadInput(str(err)) from None
     saved = checkpoint.get(CHECKPOINT_KEY)
     description: dict[str, Any] = {
         "kind": "Lightning checkpoint",
@@ -174,6 +144,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         "parameters": len(checkpoint.get("state_dict", {})),
         "optimizers": len(checkpoint.get("optimizer_states", [])),
         "lr_schedulers": len(checkpoint.get("lr_schedulers", [])),
+        "digest": digest,
     }
     if not isinstance(saved, dict):
         description["rng_state"] = "none (written without RNGStateCheckpoint: a resume is not bitwise)"
