@@ -15,6 +15,8 @@ from lightning_determinism.callbacks import (
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
+from lightning_determinism.checkpoint_integrity import DamagedCheckpointError
+from lightning_determinism.checkpoint_io import AtomicCheckpointIO
 from lightning_determinism.data.samplers import UnpaddedDistributedSampler
 from lightning_determinism.diagnosis import (
     DivergenceProbe,
@@ -58,9 +60,11 @@ register_strategies()
 register_fabric_strategies()
 
 __all__ = [
+    "AtomicCheckpointIO",
     "BaselineFileError",
     "BaselineMismatch",
     "BaselineRecorder",
+    "DamagedCheckpointError",
     "DeterminismWarning",
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",

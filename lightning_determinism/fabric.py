@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_determinism._compat import fabric_inner_loader, fabric_iterations, set_fabric_iterations
 from lightning_determinism.backends import determinism_report
+from lightning_determinism.checkpoint_io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import PLAN_ATTR
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
@@ -48,8 +49,12 @@ from lightning_determinism.topology import Topology
 from lightning_determinism.tree import PairwiseAllReduce
 
 
-class DeterministicFabricStrategyMixin(SeedingProperties):
+class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
     """Adds the seeding contract to a Fabric strategy: ``class MyStrategy(DeterministicFabricStrategyMixin, ...)``.
+
+    ``fabric.save`` writes atomically where the file lives
+    (:class:`~lightning_determinism.checkpoint_io.AtomicCheckpointIO`) unless the strategy is given a ``CheckpointIO``
+    of the user's own.
 
     Args:
         seed: base seed; ``None`` takes ``PL_GLOBAL_SEED`` (``seed_everything``) or has rank 0 draw one.

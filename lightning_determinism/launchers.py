@@ -18,10 +18,12 @@ Lightning's own launchers, with three things added:
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import signal
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from lightning_determinism._compat import (
     teardown_trainer,
 )
 from lightning_determinism._process import die_with_parent
+from lightning_determinism.checkpoint_io import check_resume_path
 from lightning_determinism.errors import DeterminismWarning
 
 PARENT_PID_ENV = "LDET_LAUNCHER_PID"
@@ -83,7 +86,7 @@ class CleanExitLauncher(MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_before_launch(self._strategy, trainer, args)  # type: ignore[attr-defined]
+        check_before_launch(self._strategy, trainer, args, function, kwargs)  # type: ignore[attr-defined]
         self._ldet_parent_pid = os.getpid()  # read by the ranks: forked memory, or pickled with the launcher
         threads = running_threads()
         self._ldet_single_thread = (
@@ -163,7 +166,7 @@ class ParentTrackingScriptLauncher(SubprocessScriptLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if not self.cluster_environment.creates_processes_externally:  # only the main process: not a child script
-            check_before_launch(self._ldet_strategy, trainer, args)
+            check_before_launch(self._ldet_strategy, trainer, args, function, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -175,11 +178,28 @@ class ParentTrackingScriptLauncher(SubprocessScriptLauncher):
             os.environ.pop(PARENT_PID_ENV, None)
 
 
-def check_before_launch(strategy: Any, trainer: Any, args: tuple[Any, ...]) -> None:
-    """Let the strategy refuse a configuration in the main process, before the ranks exist (``args[0]``: the model)."""
+def check_before_launch(
+    strategy: Any,
+    trainer: Any,
+    args: tuple[Any, ...],
+    function: Callable[..., Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Refuse in the main process, before the ranks exist, what every rank would refuse: one error, not one a rank.
+
+    The strategy checks its configuration (``args[0]``: the model); a ``ckpt_path`` of ``function`` (the Trainer's
+    ``_fit_impl``, ``_validate_impl``, ...; found by name in its signature) that is missing or cut short is refused
+    (:func:`~lightning_determinism.checkpoint_io.check_resume_path`).
+    """
     check = getattr(strategy, "check_before_launch", None)
     if check is not None and trainer is not None:
         check(trainer, args[0] if args else None)
+    if function is not None and strategy is not None:
+        try:
+            bound = inspect.signature(function).bind_partial(*args, **(kwargs or {})).arguments
+        except (TypeError, ValueError):  # not a function of the Trainer's: nothing to look for
+            return
+        check_resume_path(strategy, bound.get("ckpt_path"))
 
 
 def adopt_parent_from_env() -> None:

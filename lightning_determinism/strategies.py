@@ -31,6 +31,7 @@ from lightning_determinism._compat import (
     set_sampler_epoch,
     swap_launcher,
 )
+from lightning_determinism.checkpoint_io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
@@ -43,10 +44,12 @@ from lightning_determinism.topology import Topology
 from lightning_determinism.tree import PairwiseAllReduce
 
 
-class DeterministicStrategyMixin(SeedingProperties):
+class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
     """Adds rank-offset seeding and deterministic backends to a Lightning strategy.
 
-    Mix it in *before* the strategy class: ``class MyStrategy(DeterministicStrategyMixin, DDPStrategy)``.
+    Mix it in *before* the strategy class: ``class MyStrategy(DeterministicStrategyMixin, DDPStrategy)``. Checkpoints
+    are written atomically where they live (:class:`~lightning_determinism.checkpoint_io.AtomicCheckpointIO`) unless
+    the strategy is given a ``CheckpointIO`` of the user's own.
 
     Args:
         seed: base seed. ``None`` takes ``PL_GLOBAL_SEED`` (set by ``seed_everything``) when present, else rank 0
