@@ -12,6 +12,7 @@ from lightning_determinism.baseline_recorder import BaselineMismatch, BaselineRe
 from lightning_determinism.callbacks import (
     NumericalBaseline,
     PreemptionCheckpoint,
+    ReplicaGuard,
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
@@ -39,6 +40,10 @@ from lightning_determinism.fabric import (
 from lightning_determinism.fingerprint import fingerprint, tensor_fingerprints
 from lightning_determinism.isolation import evaluation_streams
 from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
+from lightning_determinism.model_parallel_strategy import (
+    DeterministicModelParallelStrategy,
+    register_model_parallel_strategy,
+)
 from lightning_determinism.rng import (
     RNGStatesTracker,
     capture_rng_state,
@@ -57,6 +62,7 @@ from lightning_determinism.strategies import (
 from lightning_determinism.topology import GroupInfo, Topology, model_parallel_seed, stream_seeds
 
 register_strategies()
+register_model_parallel_strategy()
 register_fabric_strategies()
 
 __all__ = [
@@ -72,6 +78,7 @@ __all__ = [
     "DeterministicFabricFSDPStrategy",
     "DeterministicFabricSingleDeviceStrategy",
     "DeterministicFabricStrategyMixin",
+    "DeterministicModelParallelStrategy",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
     "DistributedMean",
@@ -86,6 +93,7 @@ __all__ = [
     "ProbeRecorder",
     "RNGStateCheckpoint",
     "RNGStatesTracker",
+    "ReplicaGuard",
     "Topology",
     "UnpaddedDistributedSampler",
     "WorkerSeedCallback",
@@ -107,6 +115,7 @@ __all__ = [
     "model_parallel_seed",
     "perplexity",
     "register_fabric_strategies",
+    "register_model_parallel_strategy",
     "register_strategies",
     "restore_rng_state",
     "set_seed",

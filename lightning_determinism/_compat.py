@@ -144,6 +144,12 @@ PIECES: tuple[Piece, ...] = (
     Piece("_MultiProcessingLauncher._recover_results_in_main_process(worker_output, trainer)",
           "overridden: turns a rank's clean stop into SystemExit in the main process",
           _exists(f"{_MP_LAUNCHER}._recover_results_in_main_process", "self", "worker_output", "trainer")),
+    Piece("_MultiProcessingLauncher._collect_rank_zero_results(trainer, results)",
+          "overridden: a model-parallel run's sharded weights stay in the ranks (no process group in the main one)",
+          _exists(f"{_MP_LAUNCHER}._collect_rank_zero_results", "self", "trainer", "results")),
+    Piece("lightning.pytorch.strategies.ModelParallelStrategy._device_mesh",
+          "the mesh the strategy built, read before `device_mesh` may be asked for (it raises until then)",
+          _assigns(f"{_PL}.strategies:ModelParallelStrategy", "_device_mesh")),
     Piece(f"{_SCRIPT_LAUNCHER.replace(':', '.')}._call_children_scripts",
           "the popen launcher, subclassed and this hook overridden to tell child scripts their parent's pid",
           lambda: _exists(f"{_SCRIPT_LAUNCHER}._call_children_scripts")()
@@ -312,6 +318,11 @@ def slurm_requeue(trainer: Any, signum: int) -> str:
     path = str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))  # before it saves
     _private(_private(trainer, "_signal_connector"), "_slurm_sigusr_handler_fn")(signum, None)
     return path
+
+
+def device_mesh_of(strategy: Any) -> Any:
+    """The device mesh of a strategy that builds one (``ModelParallelStrategy``), ``None`` before or without."""
+    return getattr(strategy, "_device_mesh", None)
 
 
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_determinism._compat import (
@@ -141,6 +142,19 @@ class CleanExitLauncher(MultiProcessingLauncher):
             if process_idx == 0:
                 return_queue.put(_Stopped(stop.code))
         destroy_gloo_group()
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        if not getattr(self._strategy, "_ldet_weights_stay_in_ranks", False):  # type: ignore[attr-defined]
+            return super()._collect_rank_zero_results(trainer, results)
+        # Sharded (DTensor) weights cannot be sent to a main process without a process group: Lightning sends the
+        # weights after `fit` only, so the collection runs as for another stage.
+        fn = trainer.state.fn
+        trainer.state.fn = TrainerFn.VALIDATING
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            trainer.state.fn = fn
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:

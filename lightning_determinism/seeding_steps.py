@@ -79,6 +79,7 @@ class SeedingSteps:
             Topology(0, _world_of(topology), **topology)  # validate the degrees now, not after launching
         self.topology_spec = topology
         self.topology: Topology | None = topology if isinstance(topology, Topology) else None
+        self.distinct_data_parallel = False  # the tracker's stream: set by the model-parallel strategies (mesh rule)
         self.base_seed: int | None = None
         self.local_seed: int | None = None
         self._source = ""
@@ -166,7 +167,7 @@ class SeedingSteps:
         if self.base_seed is None:
             raise RuntimeError("the base seed is unknown: the strategy's setup_environment() has not run")
         if self.topology is not None:
-            model_parallel_seed(self.base_seed, self.topology)
+            model_parallel_seed(self.base_seed, self.topology, distinct_data_parallel=self.distinct_data_parallel)
         else:
             local = self.base_seed + rank
             seed_all(local)

@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_determinism._compat import (
     accelerator_connector,
     ddp_comm_hook,
+    device_mesh_of,
     module_trainer,
     set_sampler_epoch,
     swap_launcher,
@@ -38,6 +39,7 @@ from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEval
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
+from lightning_determinism.mesh_seeding import equalize_threads, mesh_topology
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.strategy_arguments import check_keywords, check_planned_world
 from lightning_determinism.topology import Topology
@@ -153,7 +155,29 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
                 rank_zero_info(describe(invariant.global_batch_size, invariant.micro_batch_size, world_size,
                                         invariant.threads))  # fmt: skip
 
+        self._ldet_follow_mesh(rank, world_size)
         self._ldet_steps.ranks_known(rank, world_size, before_log=describe_invariant)
+
+    def _ldet_follow_mesh(self, rank: int, world_size: int) -> None:
+        """On a strategy with a device mesh (``ModelParallelStrategy``): the mesh's seeding rule, equal threads.
+
+        Without it, ``base + rank`` would give tensor-parallel peers other dropout masks on replicated activations
+        and their replicated parameters would drift apart (see :mod:`~lightning_determinism.mesh_seeding`).
+        """
+        mesh = device_mesh_of(self)
+        if mesh is None:
+            return
+        spec = mesh_topology(mesh, rank, world_size)
+        given = self._ldet_steps.topology_spec
+        if given is not None and (not isinstance(given, dict) or given != spec):
+            raise ValueError(
+                f"[rank: {rank}] `topology={given!r}` contradicts the strategy's device mesh {spec} (data_parallel x"
+                " tensor_parallel): pass no `topology`, the mesh sets it"
+            )
+        self._ldet_steps.topology_spec = spec
+        self._ldet_steps.distinct_data_parallel = True
+        threads = equalize_threads()
+        rank_zero_info(f"lightning_determinism: every rank computes with {threads} intra-op thread(s)")
 
     def _add_rng_checkpoint(self) -> None:
         """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""

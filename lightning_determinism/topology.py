@@ -187,12 +187,15 @@ class Topology:
         return DeviceMesh(device_type, mesh, mesh_dim_names=self.order)
 
 
-def stream_seeds(seed: int, topology: Topology) -> dict[str, int]:
+def stream_seeds(seed: int, topology: Topology, distinct_data_parallel: bool = False) -> dict[str, int]:
     """The two seeds :func:`model_parallel_seed` uses on ``topology``'s rank.
 
     ``default``: identical across mp and sep peers (replicated activations), distinct across dp replicas, sharding
     ranks and pp stages. ``model-parallel-rng``: distinct across mp ranks and pp stages, identical across dp
-    replicas, sharding ranks and sep peers (a tensor-parallel shard is initialised alike in every replica).
+    replicas, sharding ranks and sep peers (a tensor-parallel shard is initialised alike in every replica); with
+    ``distinct_data_parallel`` distinct across dp replicas and sharding ranks too: training-time draws on a shard
+    (dropout on a tensor-parallel activation), where each replica holds other samples, as one device would draw
+    other numbers for them (the deterministic model-parallel strategy's rule: initialisation is under the base seed).
 
     Examples:
         >>> a, b = (stream_seeds(7, Topology(r, 2, mp_degree=2)) for r in (0, 1))
@@ -200,13 +203,16 @@ def stream_seeds(seed: int, topology: Topology) -> dict[str, int]:
         (True, False)
     """
     c = topology.coordinates
+    shard = (c["pp"], c["mp"], c["dp"], c["sharding"]) if distinct_data_parallel else (c["pp"], c["mp"])
     return {
         "default": derive_seed(seed, "default", c["dp"], c["sharding"], c["pp"]),
-        DEFAULT_STREAM: derive_seed(seed, DEFAULT_STREAM, c["pp"], c["mp"]),
+        DEFAULT_STREAM: derive_seed(seed, DEFAULT_STREAM, *shard),
     }
 
 
-def model_parallel_seed(seed: int, topology: Topology, tracker: RNGStatesTracker | None = None) -> dict[str, int]:
+def model_parallel_seed(
+    seed: int, topology: Topology, tracker: RNGStatesTracker | None = None, distinct_data_parallel: bool = False
+) -> dict[str, int]:
     """Seed this rank for model parallelism: the default generators and the tracker's ``"model-parallel-rng"``.
 
     Seeds come from :func:`stream_seeds` (hashed from stream names and coordinates, never ``seed + offset``).
@@ -224,7 +230,7 @@ def model_parallel_seed(seed: int, topology: Topology, tracker: RNGStatesTracker
     """
     seed = check_seed(seed)
     tracker = tracker if tracker is not None else get_rng_tracker()
-    seeds = stream_seeds(seed, topology)
+    seeds = stream_seeds(seed, topology, distinct_data_parallel)
     seed_all(seeds["default"])
     _record_seeds(seed, seeds["default"])
     if DEFAULT_STREAM in tracker:

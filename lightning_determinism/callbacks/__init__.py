@@ -1,8 +1,9 @@
-"""Lightning callbacks: worker seeding, RNG state in checkpoints, preemption, numerical baselines."""
+"""Lightning callbacks: worker seeding, RNG state in checkpoints, preemption, replica checks, numerical baselines."""
 
 from lightning_determinism.callbacks.baseline import NumericalBaseline
 from lightning_determinism.callbacks.preemption import PreemptionCheckpoint
+from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
 from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
 
-__all__ = ["NumericalBaseline", "PreemptionCheckpoint", "RNGStateCheckpoint", "WorkerSeedCallback"]
+__all__ = ["NumericalBaseline", "PreemptionCheckpoint", "RNGStateCheckpoint", "ReplicaGuard", "WorkerSeedCallback"]

@@ -77,10 +77,12 @@ class RNGStateCheckpoint(Callback):
         self._pending: dict[str, Any] | None = None
         self._resuming = False
         self._stock = False
+        self._fit_started = False
         self._evaluation_ranks: list[dict[str, Any]] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fit_started = False
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 _save_at_step_boundaries(callback)
@@ -137,6 +139,13 @@ class RNGStateCheckpoint(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        self._load(trainer, checkpoint)
+        if self._fit_started:
+            # Strategies that restore after their setup (ModelParallelStrategy, FSDP) load the checkpoint after
+            # on_fit_start: the states are put back now, still before the first iterator and step.
+            self._restore_pending(trainer)
+
+    def _load(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         self._resuming = True
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
@@ -228,6 +237,14 @@ class RNGStateCheckpoint(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's own seeding in setup(), before the first iterator and step.
+        self._fit_started = True
+        self._restore_pending(trainer)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_started = False
+
+    def _restore_pending(self, trainer: pl.Trainer) -> None:
         saved, self._pending = self._pending, None
         if saved is None:
             return

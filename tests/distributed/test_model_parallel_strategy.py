@@ -1,0 +1,122 @@
+"""DeterministicModelParallelStrategy on 2 and 4 forked gloo ranks: tensor parallel (tp=2), FSDP2 (dp=2) and both
+(2 x 2). A model with dropout on a sharded activation (under `get_rng_tracker().fork()`) and on a replicated one,
+Adam, 32 steps, a distributed checkpoint after every step (scripts/model_parallel_run.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_determinism.mesh_seeding import equalize_threads, mesh_topology
+from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).parent / "scripts" / "model_parallel_run.py"
+CONFIGS = [
+    {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True},
+    {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5]},
+    {"name": "fsdp2", "dp": 2, "tp": 1, "resume": [3]},
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("model-parallel")
+    main = subprocess.Popen([sys.executable, str(SCRIPT), str(root), json.dumps(CONFIGS)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=child_env())  # fmt: skip
+    # The mixin's rule before it followed the mesh (base + rank everywhere), for the replica guard.
+    old_config = json.dumps([{"name": "old", "dp": 1, "tp": 2}])
+    old = subprocess.run([sys.executable, str(SCRIPT), str(root / "old"), old_config], capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT_S, env=child_env(GUARD="off"))  # fmt: skip
+    output = main.communicate(timeout=CHILD_TIMEOUT_S)[0]
+    assert main.returncode == 0, output[-5000:]
+    return root, old
+
+
+def ranks(root, name, run="straight"):
+    count = {"tp2": 2, "dp2tp2": 4, "fsdp2": 2}[name]
+    return [json.loads((root / name / run / f"rank{r}.json").read_text()) for r in range(count)]
+
+
+def at(records, step):
+    return [record["steps"][str(step)] for record in records]
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
+def test_tensor_parallel_peers_share_default_masks_and_their_replicated_tensors_stay_bitwise_equal(runs, name):
+    records = ranks(runs[0], name)
+    for step in (1, len(records[0]["steps"]) // 2, len(records[0]["steps"])):
+        steps = at(records, step)
+        for peers in ([0, 1], [2, 3])[: len(steps) // 2]:  # the tensor-parallel groups: ranks (0, 1) and (2, 3)
+            a, b = (steps[r] for r in peers)
+            assert a["draws"]["default"] == b["draws"]["default"]
+            assert a["replicated"] == b["replicated"] and a["replicated"]  # the head, the norm, the row bias
+            assert a["draws"]["fork"] != b["draws"]["fork"]  # each shard its own stream
+
+
+@pytest.mark.parametrize("name", ["dp2tp2", "fsdp2"])
+def test_data_parallel_ranks_draw_their_own_masks(runs, name):
+    steps = at(ranks(runs[0], name), 3)
+    tp = 2 if name == "dp2tp2" else 1
+    replicas = [steps[0], steps[tp]]  # data_parallel coordinates 0 and 1, tensor_parallel 0
+    assert replicas[0]["draws"]["default"] != replicas[1]["draws"]["default"]
+    assert replicas[0]["draws"]["fork"] != replicas[1]["draws"]["fork"]
+    assert replicas[0]["x"] != replicas[1]["x"]  # other samples: the sampler follows the data-parallel mesh
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "fsdp2"])
+def test_the_gathered_start_is_the_one_process_model(runs, name):
+    one = json.loads((runs[0] / name / "one_process.json").read_text())["start"]
+    assert {record["start"] for record in ranks(runs[0], name)} == {one}
+
+
+def test_the_same_run_twice_gives_the_same_bits(runs):
+    straight, again = ranks(runs[0], "tp2"), ranks(runs[0], "tp2", "again")
+    assert [r["final"] for r in straight] == [r["final"] for r in again]
+    assert straight[0]["steps"] == again[0]["steps"]
+
+
+@pytest.mark.parametrize(("name", "k"), [("tp2", 5), ("dp2tp2", 5), ("fsdp2", 3)])
+def test_a_mid_epoch_resume_from_a_distributed_checkpoint_is_bitwise(runs, name, k):
+    straight, resumed = ranks(runs[0], name), ranks(runs[0], name, f"resumed{k}")
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["final"] == a["final"]
+        assert b["steps"] == {step: record for step, record in a["steps"].items() if int(step) > k}
+    checkpoint = runs[0] / name / "straight" / f"step={k}.ckpt"
+    assert checkpoint.is_dir()  # Lightning's distributed checkpoint: the RNG states are in its meta.pt
+    meta = torch.load(checkpoint / "meta.pt", weights_only=True)
+    assert len(meta["lightning_determinism_rng"]["ranks"]) == len(straight)
+
+
+def test_the_replica_guard_catches_the_mixins_old_rule(runs):
+    old = runs[1]
+    assert old.returncode != 0
+    assert "step 1: `model.down.bias`, replicated along tensor_parallel, differs between ranks 0 and 1" in old.stderr
+
+
+def _threads(rank, world_size):
+    torch.set_num_threads(1 + rank)  # as Lightning's popen launcher leaves rank 0 with more than its children
+    assert equalize_threads() == 1 and torch.get_num_threads() == 1
+
+
+def test_every_rank_gets_the_smallest_thread_count(tmp_path):
+    run_distributed(_threads, tmp_path)
+
+
+def test_a_mesh_of_other_dimensions_or_layout_is_refused():
+    class Mesh:
+        mesh_dim_names = ("data_parallel", "tensor_parallel")
+        shape = (2, 2)
+
+        def get_coordinate(self):
+            return [0, 1]  # rank 2 would be (1, 0) on Lightning's layout
+
+    with pytest.raises(ValueError, match=r"places this rank at data_parallel=0, tensor_parallel=1, the topology"):
+        mesh_topology(Mesh(), rank=2, world_size=4)
+    Mesh.mesh_dim_names = ("dp", "tp")
+    with pytest.raises(ValueError, match=r"has dimensions \('dp', 'tp'\)"):
+        mesh_topology(Mesh(), rank=1, world_size=4)
