@@ -16,7 +16,7 @@ from lightning_determinism.callbacks import (
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
-from lightning_determinism.checkpoint_integrity import DamagedCheckpointError
+from lightning_determinism.checkpoint_file import DamagedCheckpointError
 from lightning_determinism.checkpoint_io import AtomicCheckpointIO
 from lightning_determinism.data.samplers import UnpaddedDistributedSampler
 from lightning_determinism.diagnosis import (

@@ -1,4 +1,4 @@
-"""Checkpoint integrity: a digest of what a checkpoint holds, and what to say about a damaged or cut-short file.
+"""Checkpoint integrity: a digest of what a checkpoint holds, recorded when it is saved, checked when it is loaded.
 
 A checkpoint written by :class:`~lightning_determinism.checkpoint_io.AtomicCheckpointIO` (with ``digest=True``) holds,
 under :data:`DIGEST_KEY`, a SHA-256 digest of a canonical walk of the rest of the dict: keys and containers in order,
@@ -11,8 +11,8 @@ What the walk covers only by type: objects that are not containers, scalars, str
 (a ``weights_only=False`` checkpoint's ``argparse.Namespace``), and tensors that are not strided (sparse, quantized):
 by dtype and shape. Tensors of a megabyte or more are hashed in threads (``hashlib`` releases the GIL).
 
-Every message about a damaged file comes from here: the plugin's load, the check before the launch
-(:func:`check_checkpoint_file`) and ``lightning-determinism report FILE`` say the same thing.
+A mismatch is one :class:`~lightning_determinism.checkpoint_file.DamagedCheckpointError` naming the file and the
+entries; the plugin's load and ``lightning-determinism report FILE`` say the same thing.
 
 This module is a leaf: it knows torch, numpy and the standard library, nothing of Lightning.
 """
@@ -23,7 +23,6 @@ import hashlib
 import os
 import struct
 import warnings
-import zipfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,137 +31,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_determinism.checkpoint_file import DamagedCheckpointError
 from lightning_determinism.errors import DeterminismWarning
 
 DIGEST_KEY = "lightning_determinism_digest"
 """The checkpoint key of the digest: ``{"algorithm": "sha256", "format": 1, "value": hex, "parts": {key: hex}}``."""
 ALGORITHM = "sha256"
-"""The hash: 1.8 GB/s per core here (SHA-NI), against 0.95 for BLAKE2b; see docs/preemption.md for the figures."""
+"""The hash: 1.7-1.8 GB/s a core here (SHA extensions), against 0.9 for BLAKE2b; docs/preemption.md has the figures."""
 FORMAT = 1
 """The version of the canonical walk; a checkpoint with another one is loaded unchecked, with a warning."""
 
 _THREADED_BYTES = 1 << 20
 """Tensors this large are hashed in a thread pool."""
-# How torch.save's files begin: a zip archive (since torch 1.6), or the legacy format's pickled magic number.
-_ZIP_START = b"PK\x03\x04"
-_LEGACY_START = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
-
-
-class DamagedCheckpointError(RuntimeError):
-    """A checkpoint file is cut short or damaged: the message names the file, its size and what is wrong.
-
-    Examples:
-        >>> issubclass(DamagedCheckpointError, RuntimeError)
-        True
-    """
-
-
-def size_text(n: int) -> str:
-    """A file size for a message.
-
-    Examples:
-        >>> size_text(5510)
-        '5510 bytes'
-        >>> size_text(1_234_567_890)
-        '1.23 GB (1234567890 bytes)'
-    """
-    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
-
-
-def damaged_message(path: str | Path, why: str) -> str:
-    """``PATH: a damaged or truncated checkpoint (SIZE; WHY)``, the one sentence every reader of the file says."""
-    size = os.stat(path).st_size
-    if size == 0:
-        return f"{path}: an empty file (0 bytes): a save cut short before it wrote anything, or not a checkpoint"
-    return f"{path}: a damaged or truncated checkpoint ({size_text(size)}; {why})"
-
-
-def _file_start(path: str | Path) -> bytes:
-    with open(path, "rb") as file:
-        return file.read(len(_LEGACY_START))
-
-
-def is_torch_file(path: str | Path) -> bool:
-    """Whether the file begins as ``torch.save`` files do: a zip archive, or the legacy format's magic number."""
-    start = _file_start(path)
-    return start.startswith(_ZIP_START) or start == _LEGACY_START
-
-
-def _damaged(path: str | Path, start: bytes, refused: bool) -> bool:
-    """Whether a file that begins like a torch file (``start``) is one cut short or corrupted, not a foreign one."""
-    if start.startswith(_ZIP_START):
-        try:  # opening reads the central directory, which a zip archive keeps at its end: a cut-off write lacks it
-            with zipfile.ZipFile(path):
-                return False
-        except (zipfile.BadZipFile, OSError, ValueError):
-            return True
-    return start == _LEGACY_START and not refused
-
-
-def load_failure_message(path: str | Path, err: BaseException) -> str | None:
-    """What to say when ``torch.load(path)`` raised ``err`` because the file is damaged; ``None`` when it is not.
-
-    A file torch refused for another reason (``weights_only``, a foreign format) is no damage: the caller keeps its
-    own message for it.
-
-    Examples:
-        >>> import pathlib, tempfile, torch
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "step=4.ckpt"
-        >>> torch.save({"w": torch.zeros(1000)}, path)
-        >>> _ = path.write_bytes(path.read_bytes()[:2000])  # what a save killed half-way leaves
-        >>> try:
-        ...     torch.load(path)
-        ... except RuntimeError as err:
-        ...     print(load_failure_message(path, err).replace(str(path), "step=4.ckpt"))
-        step=4.ckpt: a damaged or truncated checkpoint (2000 bytes; torch.load: PytorchStreamReader failed reading zip archive: failed finding central directory)
-    """  # noqa: E501
-    lines = [line.strip() for line in str(err).splitlines()]
-    refused = any(line.startswith("WeightsUnpickler error") for line in lines)
-    if os.stat(path).st_size and not _damaged(path, _file_start(path), refused):
-        return None
-    # The first sentence: torch goes on with advice ("This is an internal miniz error. ...").
-    first = lines[0].split(". ")[0] if lines and lines[0] else type(err).__name__  # EOFError has no message
-    return damaged_message(path, f"torch.load: {first}")
-
-
-def check_checkpoint_file(path: str | Path) -> None:
-    """The cheap check of a local checkpoint file: it exists, can be read, and a zip archive's directory is whole.
-
-    Reads the first bytes and the zip's central directory (kept at the end of the file, so a save cut short lacks
-    it), not the data: milliseconds for any size. A directory (a sharded checkpoint) and a file in torch's legacy
-    format pass unchecked; the digest is checked when the file is loaded.
-
-    Raises:
-        FileNotFoundError: if there is no such file.
-        PermissionError: if the file cannot be read.
-        DamagedCheckpointError: if the file is empty or its zip directory is missing or damaged.
-
-    Examples:
-        >>> check_checkpoint_file("missing.ckpt")
-        Traceback (most recent call last):
-        ...
-        FileNotFoundError: missing.ckpt: no such checkpoint file
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    if os.path.isdir(path):
-        return
-    try:
-        start = _file_start(path)
-    except OSError as err:
-        raise type(err)(f"{path}: the checkpoint cannot be read ({err.strerror or err})") from None
-    if not start:
-        raise DamagedCheckpointError(damaged_message(path, "empty"))
-    if start.startswith(_ZIP_START):
-        try:
-            with zipfile.ZipFile(path):
-                pass
-        except (zipfile.BadZipFile, ValueError) as err:
-            why = f"the zip archive's central directory, written last, is missing or damaged: {err}"
-            raise DamagedCheckpointError(damaged_message(path, why)) from None
 
 
 def _tagged(tag: bytes, payload: bytes) -> bytes:
@@ -261,6 +141,12 @@ def _workers() -> int:
 def checkpoint_digest(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """The digest of a checkpoint dict (its :data:`DIGEST_KEY` entry left out), as it is stored under that key.
 
+    Args:
+        checkpoint: the dict ``torch.save`` is given, or ``torch.load`` returned.
+
+    Returns:
+        ``{"algorithm": "sha256", "format": 1, "value": hex, "parts": {top-level key: hex}}``.
+
     Examples:
         >>> import torch
         >>> _ = torch.manual_seed(0)
@@ -287,12 +173,21 @@ def checkpoint_digest(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def with_digest(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A shallow copy of ``checkpoint`` with its digest under :data:`DIGEST_KEY` (the tensors are not copied)."""
+    """A shallow copy of ``checkpoint`` with its digest under :data:`DIGEST_KEY` (the tensors are not copied).
+
+    Examples:
+        >>> saved = with_digest({"epoch": 1})
+        >>> sorted(saved), saved[DIGEST_KEY]["algorithm"]
+        (['epoch', 'lightning_determinism_digest'], 'sha256')
+    """
     return {**checkpoint, DIGEST_KEY: checkpoint_digest(checkpoint)}
 
 
 def describe_digest(checkpoint: Mapping[str, Any]) -> str:
     """What :func:`verify_digest` will make of the checkpoint's digest, for a report.
+
+    Args:
+        checkpoint: a loaded checkpoint dict.
 
     Examples:
         >>> describe_digest({"epoch": 0})
@@ -313,6 +208,13 @@ def _known(recorded: Any) -> bool:
 def verify_digest(path: str | Path, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """Check a loaded checkpoint against its digest and remove the digest from it; one without passes unchecked.
 
+    A digest of a kind this version does not know (another algorithm or walk) is removed with a
+    :class:`~lightning_determinism.errors.DeterminismWarning`, unchecked.
+
+    Args:
+        path: the file the checkpoint came from, for the message.
+        checkpoint: the loaded dict; its :data:`DIGEST_KEY` entry is removed in place.
+
     Returns:
         ``checkpoint``, without its :data:`DIGEST_KEY` entry.
 
@@ -326,7 +228,7 @@ def verify_digest(path: str | Path, checkpoint: dict[str, Any]) -> dict[str, Any
         >>> verify_digest("step=4.ckpt", saved)
         Traceback (most recent call last):
         ...
-        lightning_determinism.checkpoint_integrity.DamagedCheckpointError: step=4.ckpt: a damaged checkpoint: its contents do not match its digest in 'state_dict' (flipped or overwritten bytes)
+        lightning_determinism.checkpoint_file.DamagedCheckpointError: step=4.ckpt: a damaged checkpoint: its contents do not match its digest in 'state_dict' (flipped or overwritten bytes)
     """  # noqa: E501
     recorded = checkpoint.pop(DIGEST_KEY, None)
     if recorded is None:
@@ -357,14 +259,8 @@ __all__ = [
     "ALGORITHM",
     "DIGEST_KEY",
     "FORMAT",
-    "DamagedCheckpointError",
-    "check_checkpoint_file",
     "checkpoint_digest",
-    "damaged_message",
     "describe_digest",
-    "is_torch_file",
-    "load_failure_message",
-    "size_text",
     "verify_digest",
     "with_digest",
 ]

@@ -10,7 +10,7 @@ resumed run then fails on every rank with ``failed finding central directory``, 
 :func:`~lightning_determinism.atomic_file.write_atomically` (a hidden temporary file in the checkpoint's directory,
 synced, renamed onto the final name; on failure the previous file is untouched and the temporary file removed), and
 optionally records a digest of what it holds (:mod:`~lightning_determinism.checkpoint_integrity`), checked when it is
-loaded. A damaged file is one :class:`~lightning_determinism.checkpoint_integrity.DamagedCheckpointError` naming the
+loaded. A damaged file is one :class:`~lightning_determinism.checkpoint_file.DamagedCheckpointError` naming the
 file, its size and what is wrong. Remote paths (fsspec URLs: ``s3://``, ``gs://``, ...) are saved by Lightning's own
 code, as before.
 
@@ -35,13 +35,8 @@ from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from typing_extensions import override
 
 from lightning_determinism.atomic_file import write_atomically
-from lightning_determinism.checkpoint_integrity import (
-    DamagedCheckpointError,
-    check_checkpoint_file,
-    load_failure_message,
-    verify_digest,
-    with_digest,
-)
+from lightning_determinism.checkpoint_file import DamagedCheckpointError, check_checkpoint_file, load_failure_message
+from lightning_determinism.checkpoint_integrity import verify_digest, with_digest
 
 DIGEST_BY_DEFAULT = False
 """Whether :class:`AtomicCheckpointIO` records a digest unless told: it costs more than a tenth of a save and of a load
@@ -74,6 +69,9 @@ def _ranked(message: str) -> str:
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Saves checkpoints atomically where they live and, with ``digest=True``, checks on load what they hold.
+
+    Remote paths (fsspec URLs: ``s3://``, ``gs://``, ...) are saved and loaded by ``TorchCheckpointIO`` itself; a
+    digest recorded in a checkpoint is checked wherever it was loaded from.
 
     Args:
         digest: record a SHA-256 digest of the checkpoint's contents under ``"lightning_determinism_digest"``
@@ -203,14 +201,26 @@ def check_resume_path(strategy: Any, ckpt_path: Any) -> None:
     """The cheap check of a ``ckpt_path`` in the main process, before the ranks exist: one error instead of one a rank.
 
     Only local files read by a ``TorchCheckpointIO`` (ours included) are checked
-    (:func:`~lightning_determinism.checkpoint_integrity.check_checkpoint_file`: it exists, can be read, its zip
+    (:func:`~lightning_determinism.checkpoint_file.check_checkpoint_file`: it exists, can be read, its zip
     directory is whole); ``"last"``, ``"best"``, ``"hpc"``, the model registry, remote URLs and a plugin of the user's
     own pass. The digest is checked later, when each rank loads the file.
+
+    Args:
+        strategy: the strategy that will load the checkpoint (its ``checkpoint_io`` says how).
+        ckpt_path: what ``trainer.fit(ckpt_path=...)`` (or ``validate``, ``test``, ``predict``) was given.
 
     Raises:
         FileNotFoundError: if there is no such file.
         PermissionError: if it cannot be read.
         DamagedCheckpointError: if it is empty or cut short.
+
+    Examples:
+        >>> from lightning_determinism import DeterministicDDPStrategy
+        >>> check_resume_path(DeterministicDDPStrategy(), "last")  # resolved by the ranks: passes
+        >>> check_resume_path(DeterministicDDPStrategy(), "missing.ckpt")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: `ckpt_path`: missing.ckpt: no such checkpoint file
     """
     if not isinstance(ckpt_path, (str, os.PathLike)):
         return

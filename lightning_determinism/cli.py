@@ -78,7 +78,7 @@ def _print_flags(report: dict[str, Any]) -> None:
 
 def _unreadable(path: Path, err: Exception) -> _BadInput:
     """One line for a file ``torch.load(weights_only=True)`` cannot read, instead of torch's page of advice."""
-    from lightning_determinism.checkpoint_integrity import is_torch_file, load_failure_message
+    from lightning_determinism.checkpoint_file import is_torch_file, load_failure_message
 
     damaged = load_failure_message(path, err)  # what the plugin's load and the check before a launch say too
     if damaged is not None:
@@ -121,7 +121,8 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     """
     import torch
 
-    from lightning_determinism.checkpoint_integrity import DamagedCheckpointError, describe_digest, verify_digest
+    from lightning_determinism.checkpoint_file import DamagedCheckpointError
+    from lightning_determinism.checkpoint_integrity import describe_digest, verify_digest
     from lightning_determinism.rank_states import CHECKPOINT_KEY
 
     try:

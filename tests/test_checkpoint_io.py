@@ -28,7 +28,8 @@ from lightning_determinism import (
     cli,
 )
 from lightning_determinism.atomic_file import write_atomically
-from lightning_determinism.checkpoint_integrity import DIGEST_KEY, check_checkpoint_file, checkpoint_digest
+from lightning_determinism.checkpoint_file import check_checkpoint_file
+from lightning_determinism.checkpoint_integrity import DIGEST_KEY, checkpoint_digest
 from lightning_determinism.checkpoint_io import check_resume_path
 
 
