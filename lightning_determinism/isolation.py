@@ -224,12 +224,20 @@ class EvaluationIsolation:
         for stage, loop in loops.items():
             loop.run = self._isolated(loop.run, trainer, "validate" if stage == "validate_only" else stage)
             self._loops.append(loop)
+        # A run resumed at the end of an epoch whose validation was due skips that pass by fast-forwarding the val
+        # loop's counters, which sets up its loader and creates an iterator: a draw of the global generator (the
+        # loader's base seed) that the uninterrupted run made inside its isolated pass.
+        val_loop = loops["validate"]
+        skip = getattr(val_loop, "increment_progress_to_evaluation_end", None)
+        if skip is not None:
+            val_loop.increment_progress_to_evaluation_end = self._isolated(skip, trainer, "validate")
         self._patch_load()
 
     def detach(self) -> None:
         """Take the wrappers off (the loops fall back to their class's ``run``)."""
         for loop in self._loops:
             loop.__dict__.pop("run", None)
+            loop.__dict__.pop("increment_progress_to_evaluation_end", None)
         if self._loops:
             self._unpatch_load()
         self._loops = []

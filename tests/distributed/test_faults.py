@@ -22,6 +22,7 @@ from tests.helpers import CHILD_TIMEOUT_S, child_env
 pytestmark = pytest.mark.distributed
 
 CONFIG = "2-ranks-persistent-workers"
+VALIDATION = "2-ranks-accumulate-own-sampler-validation"  # 2 optimizer steps per epoch
 
 
 def _wait_for(paths, proc, what):
@@ -40,38 +41,51 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _start(*args, env, session=False):
+    command = [sys.executable, str(SCRIPT), *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(**env),
+                            start_new_session=session)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def preempted(tmp_path_factory):
-    """The job signalled as a whole at step 4 and again after its checkpoint; then requeued."""
-    out = tmp_path_factory.mktemp("faults")
-    env = {**CONFIGS[CONFIG][0], "PREEMPT_AT_STEP": "4", "HOLD": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "preempt", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env(**env),
-        start_new_session=True,  # its own process group, as a job step has
-    )
-    pgid = proc.pid
-    _wait_for([out / "ready0", out / "ready1"], proc, "both ranks reached step 4")
-    os.killpg(pgid, signal.SIGTERM)  # every process: main, ranks, data-loader workers
-    _wait_for([out / "exiting"], proc, "the ranks' stop after the preemption checkpoint")
-    os.killpg(pgid, signal.SIGTERM)  # again, while the job is on its way out
-    (out / "released").write_text("")
-    output = proc.communicate(timeout=CHILD_TIMEOUT_S)[0]
+def jobs(tmp_path_factory):
+    """Both preempted jobs side by side (each holds where the signal must come), then both requeues side by side.
+
+    1. The job signalled as a whole at step 4 and again after its checkpoint.
+    2. The job signalled while every rank holds in batch 1 of the validation pass after epoch 1 (global step 4).
+    """
+    whole, validation = tmp_path_factory.mktemp("faults"), tmp_path_factory.mktemp("validation")
+    first = _start("preempt", whole, env={**CONFIGS[CONFIG][0], "PREEMPT_AT_STEP": "4", "HOLD": "1"}, session=True)
+    second = _start("preempt", validation, env={**CONFIGS[VALIDATION][0], "PREEMPT_IN_VALIDATION": "1"}, session=True)
+    _wait_for([whole / "ready0", whole / "ready1"], first, "both ranks reached step 4")
+    os.killpg(first.pid, signal.SIGTERM)  # every process: main, ranks, data-loader workers
+    _wait_for([whole / "exiting"], first, "the ranks' stop after the preemption checkpoint")
+    os.killpg(first.pid, signal.SIGTERM)  # again, while the job is on its way out
+    (whole / "released").write_text("")
+    _wait_for([validation / "ready0", validation / "ready1"], second, "both ranks held in the validation pass")
+    os.killpg(second.pid, signal.SIGTERM)
+    outputs = [proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for proc in (first, second)]
     deadline = time.monotonic() + 30  # the kernel reaps the last workers after their rank
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while _group_alive(first.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    left = _group_alive(pgid)
-    requeue = subprocess.run(
-        [sys.executable, str(SCRIPT), "requeue", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        env=child_env(**CONFIGS[CONFIG][0]),
-    )
-    return out, proc.returncode, output, left, requeue
+    left = _group_alive(first.pid)
+    requeues = [_start("requeue", whole, env=CONFIGS[CONFIG][0]), _start("requeue", validation,
+                                                                             env=CONFIGS[VALIDATION][0])]  # fmt: skip
+    requeued = [(proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for proc in requeues]
+    return {
+        "whole": (whole, first.returncode, outputs[0], left, requeued[0]),
+        "validation": (validation, second.returncode, outputs[1], requeued[1]),
+    }
+
+
+@pytest.fixture
+def preempted(jobs):
+    return jobs["whole"]
+
+
+@pytest.fixture
+def preempted_in_validation(jobs):
+    return jobs["validation"]
 
 
 def test_a_signal_to_the_whole_job_with_workers_checkpoints_and_exits_cleanly_twice_signalled(preempted):
@@ -85,37 +99,11 @@ def test_a_signal_to_the_whole_job_with_workers_checkpoints_and_exits_cleanly_tw
 def test_the_requeued_job_finds_the_preemption_checkpoint_with_ckpt_path_last_and_resumes_bitwise(
     resume_runs, preempted
 ):
-    out, _, _, _, requeue = preempted
-    assert requeue.returncode == 0, requeue.stdout[-3000:] + requeue.stderr[-5000:]
+    out, _, _, _, (requeue_output, requeue_code) = preempted
+    assert requeue_code == 0, requeue_output[-5000:]
     assert (out / "periodic" / "step=4.ckpt").exists()  # the newer preemption checkpoint is preferred to it
     assert os.path.realpath(out / "periodic" / "last-preempted.ckpt") == str((out / "preempted.ckpt").resolve())
     assert_continues(result(resume_runs / CONFIG / "straight"), result(out), 5)
-
-
-@pytest.fixture(scope="module")
-def preempted_in_validation(tmp_path_factory):
-    """Signalled while every rank holds in batch 1 of the validation pass after epoch 1 (global step 6); requeued."""
-    out = tmp_path_factory.mktemp("validation")
-    env = {**CONFIGS["2-ranks-validation"][0], "PREEMPT_IN_VALIDATION": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "preempt", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env(**env),
-        start_new_session=True,
-    )
-    _wait_for([out / "ready0", out / "ready1"], proc, "both ranks held in the validation pass")
-    os.killpg(proc.pid, signal.SIGTERM)
-    output = proc.communicate(timeout=CHILD_TIMEOUT_S)[0]
-    requeue = subprocess.run(
-        [sys.executable, str(SCRIPT), "requeue", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        env=child_env(**CONFIGS["2-ranks-validation"][0]),
-    )
-    return out, proc.returncode, output, requeue
 
 
 def test_a_signal_during_validation_saves_the_training_state_at_once_and_the_pass_runs_again(
@@ -124,9 +112,9 @@ def test_a_signal_during_validation_saves_the_training_state_at_once_and_the_pas
     out, returncode, output, requeue = preempted_in_validation
     assert returncode == 0, output[-4000:]
     # Saved in the pass, at its next batch (the ranks held in batch 1 of 4), not after its end.
-    assert "during validation: the training state at step 6" in output
-    assert int(torch.load(out / "preempted.ckpt", weights_only=True)["global_step"]) == 6
-    assert requeue.returncode == 0, requeue.stdout[-3000:] + requeue.stderr[-5000:]
-    straight, resumed = result(resume_runs / "2-ranks-validation" / "straight"), result(out)
-    assert_continues(straight, resumed, 6)
+    assert "during validation: the training state at step 4" in output
+    assert int(torch.load(out / "preempted.ckpt", weights_only=True)["global_step"]) == 4
+    assert requeue[1] == 0, requeue[0][-5000:]
+    straight, resumed = result(resume_runs / VALIDATION / "straight"), result(out)
+    assert_continues(straight, resumed, 4)
     assert resumed["val"] == {epoch: loss for epoch, loss in straight["val"].items() if int(epoch) >= 1}

@@ -33,14 +33,18 @@ CONFIGS = {
     "1-rank-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "1"}, [7, 9, 12, 18]),
     "1-rank-unshuffled-in-process-data": ({"DEVICES": "1", "WORKERS": "0", "SHUFFLE": "0"}, [3, 12]),
     # Gradient accumulation (3 steps per epoch on 1 rank, 2 on 2): each resume starts inside an accumulation window,
-    # under ModelCheckpoint(every_n_train_steps=1), which must not save the resumed step again there.
-    "1-rank-accumulate": ({"DEVICES": "1", "WORKERS": "0", "ACCUM": "2"}, [4]),
-    "2-ranks-accumulate": ({"DEVICES": "2", "WORKERS": "0", "ACCUM": "2"}, [2]),
-    # A validation pass after every epoch (the uninterrupted run for test_faults.py's preemption during validation).
-    "2-ranks-validation": ({"DEVICES": "2", "WORKERS": "0", "VALIDATE": "1"}, []),
-    # use_distributed_sampler=False with the user's own DistributedSampler (2 ranks) or RandomSampler (1 rank, workers).
-    "2-ranks-own-sampler": ({"DEVICES": "2", "WORKERS": "0", "OWN_SAMPLER": "1"}, [5]),
-    "1-rank-own-sampler-workers": ({"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "0", "OWN_SAMPLER": "1"}, [8]),
+    # under ModelCheckpoint(every_n_train_steps=1), which must not save the resumed step again there. The same runs
+    # leave the samplers to the user (use_distributed_sampler=False): their own DistributedSampler on 2 ranks, a
+    # RandomSampler with 2 workers (per-worker seeds, replayed) on 1; and validate after every epoch on 2 ranks (the
+    # uninterrupted run of test_faults.py's preemption during validation).
+    "1-rank-accumulate-own-sampler-workers": (
+        {"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "0", "ACCUM": "2", "OWN_SAMPLER": "1"},
+        [4],
+    ),
+    "2-ranks-accumulate-own-sampler-validation": (
+        {"DEVICES": "2", "WORKERS": "0", "ACCUM": "2", "OWN_SAMPLER": "1", "VALIDATE": "1"},
+        [2],
+    ),
 }
 
 
