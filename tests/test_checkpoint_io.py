@@ -2,6 +2,7 @@
 
 import errno
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -233,15 +234,24 @@ def test_model_checkpoint_files_carry_the_digest_and_load_back(saved):
     assert _listing(saved.parent) == [saved.name]
 
 
-def test_a_flipped_bit_in_a_saved_weight_is_refused_at_fit_naming_the_file(tmp_path, saved, marker):
+@pytest.mark.parametrize("digest", [True, False], ids=["with-digest", "default"])
+def test_a_flipped_bit_in_a_saved_weight_is_refused_at_fit_naming_the_file(tmp_path, marker, digest):
+    # By default too (no digest): the CRC-32 torch stores with every record, which torch.load does not check.
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2)
+    _fit(tmp_path, [AtomicCheckpointIO(digest=True)] if digest else [], callbacks=[callback])
+    (saved,) = (tmp_path / "ckpt").iterdir()
     _flip_a_bit_in_the_weight(saved)
     torch.load(saved, weights_only=True)  # torch itself does not notice
     with pytest.raises(DamagedCheckpointError) as info:
         _fit(tmp_path / "resumed", ckpt_path=saved)
-    assert str(info.value) == (
-        f"{saved}: a damaged checkpoint: its contents do not match its digest in 'state_dict' (flipped or overwritten"
-        " bytes)"
-    )
+    assert re.fullmatch(
+        rf"{re.escape(str(saved))}: a damaged or truncated checkpoint \(\d+ bytes; the bytes of `[^`]+/data/\d+` do"
+        r" not match the CRC-32 stored with them \(flipped or overwritten bytes\)\)",
+        str(info.value),
+    ), str(info.value)
+    if digest:  # without the checksums the digest catches it
+        with pytest.raises(DamagedCheckpointError, match="do not match its digest in 'state_dict'"):
+            AtomicCheckpointIO(verify_checksums=False).load_checkpoint(saved)
 
 
 def test_a_changed_tensor_under_the_old_digest_is_refused_and_the_report_says_the_same(tmp_path, saved, capsys):
