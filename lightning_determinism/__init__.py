@@ -32,6 +32,7 @@ from lightning_determinism.errors import DeterminismWarning, IncompatibleVersion
 from lightning_determinism.fabric import (
     DeterministicFabricDDPStrategy,
     DeterministicFabricFSDPStrategy,
+    DeterministicFabricModelParallelStrategy,
     DeterministicFabricSingleDeviceStrategy,
     DeterministicFabricStrategyMixin,
     FabricRNGState,
@@ -76,6 +77,7 @@ __all__ = [
     "DeterministicFSDPStrategy",
     "DeterministicFabricDDPStrategy",
     "DeterministicFabricFSDPStrategy",
+    "DeterministicFabricModelParallelStrategy",
     "DeterministicFabricSingleDeviceStrategy",
     "DeterministicFabricStrategyMixin",
     "DeterministicModelParallelStrategy",

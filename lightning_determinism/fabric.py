@@ -25,13 +25,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.fabric.strategies import (
+    STRATEGY_REGISTRY,
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_determinism._compat import fabric_inner_loader, fabric_iterations, set_fabric_iterations
+from lightning_determinism._compat import (
+    device_mesh_of,
+    fabric_inner_loader,
+    fabric_iterations,
+    set_fabric_iterations,
+)
 from lightning_determinism.backends import determinism_report
 from lightning_determinism.checkpoint_io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import PLAN_ATTR
@@ -40,6 +51,7 @@ from lightning_determinism.data.stateful import is_stateful_loader, make_statefu
 from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.launchers import destroy_gloo_group_at_exit
+from lightning_determinism.mesh_seeding import follow_mesh
 from lightning_determinism.rank_states import all_gather, check_ranks, digest, other_seed_message, verify_restored
 from lightning_determinism.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding import _rank_and_world_size, current_seeds, derive_seed, seed_all
@@ -94,6 +106,9 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def setup_environment(self) -> None:  # type: ignore[misc]
         super().setup_environment()  # type: ignore[misc]
         destroy_gloo_group_at_exit()
+        mesh = device_mesh_of(self)
+        if mesh is not None:  # Fabric's ModelParallelStrategy: the mesh's rule (see mesh_seeding)
+            follow_mesh(self._ldet_steps, mesh, self.global_rank, self.world_size)  # type: ignore[attr-defined]
         # Announced at the first fabric.setup(model): a seed_everything() after launch() may still change it.
         self._ldet_steps.ranks_known(self.global_rank, self.world_size, announce=False)  # type: ignore[attr-defined]
 
@@ -167,6 +182,15 @@ class DeterministicFabricDDPStrategy(DeterministicFabricStrategyMixin, DDPStrate
 
 class DeterministicFabricFSDPStrategy(DeterministicFabricStrategyMixin, FSDPStrategy):
     """Fabric's ``FSDPStrategy`` with the seeding contract; registered as ``fsdp_deterministic`` (CUDA only)."""
+
+
+class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin, ModelParallelStrategy):
+    """Fabric's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) seeded by its device mesh, as the Trainer's.
+
+    Not registered by name: Fabric's strategy takes the user's ``parallelize_fn(module, device_mesh)`` first, as
+    ``DeterministicFabricModelParallelStrategy(parallelize_fn, data_parallel_size=..., tensor_parallel_size=...,
+    seed=...)``. The rule: :class:`~lightning_determinism.DeterministicModelParallelStrategy`.
+    """
 
 
 class DeterministicFabricSingleDeviceStrategy(DeterministicFabricStrategyMixin, SingleDeviceStrategy):
@@ -338,6 +362,7 @@ class FabricRNGState:
 __all__ = [
     "DeterministicFabricDDPStrategy",
     "DeterministicFabricFSDPStrategy",
+    "DeterministicFabricModelParallelStrategy",
     "DeterministicFabricSingleDeviceStrategy",
     "DeterministicFabricStrategyMixin",
     "FabricRNGState",

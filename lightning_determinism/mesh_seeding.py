@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_determinism.topology import Topology
 
@@ -63,6 +64,25 @@ def mesh_topology(mesh: Any, rank: int, world_size: int) -> dict[str, int]:
     return spec
 
 
+def follow_mesh(steps: Any, mesh: Any, rank: int, world_size: int) -> None:
+    """Give a strategy's ``SeedingSteps`` the mesh's rule (before the ranks are known to it) and equal threads.
+
+    Raises:
+        ValueError: for a ``topology`` the user gave that contradicts the mesh, or a mesh of other dimensions.
+    """
+    spec = mesh_topology(mesh, rank, world_size)
+    given = steps.topology_spec
+    if given is not None and (not isinstance(given, dict) or given != spec):
+        raise ValueError(
+            f"[rank: {rank}] `topology={given!r}` contradicts the strategy's device mesh {spec} (data_parallel x"
+            " tensor_parallel): pass no `topology`, the mesh sets it"
+        )
+    steps.topology_spec = spec
+    steps.distinct_data_parallel = True
+    threads = equalize_threads()
+    rank_zero_info(f"lightning_determinism: every rank computes with {threads} intra-op thread(s)")
+
+
 def equalize_threads() -> int:
     """Give every rank the smallest intra-op thread count of any rank (collective); returns it."""
     threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
@@ -74,4 +94,4 @@ def equalize_threads() -> int:
     return count
 
 
-__all__ = ["MESH_DIMS", "equalize_threads", "mesh_topology"]
+__all__ = ["MESH_DIMS", "equalize_threads", "follow_mesh", "mesh_topology"]

@@ -39,7 +39,7 @@ from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEval
 from lightning_determinism.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.isolation import EvaluationIsolation
 from lightning_determinism.launchers import adopt_parent_from_env, destroy_gloo_group_at_exit, replace_launcher
-from lightning_determinism.mesh_seeding import equalize_threads, mesh_topology
+from lightning_determinism.mesh_seeding import follow_mesh
 from lightning_determinism.seeding_steps import SeedingProperties, SeedingSteps
 from lightning_determinism.strategy_arguments import check_keywords, check_planned_world
 from lightning_determinism.topology import Topology
@@ -165,19 +165,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         and their replicated parameters would drift apart (see :mod:`~lightning_determinism.mesh_seeding`).
         """
         mesh = device_mesh_of(self)
-        if mesh is None:
-            return
-        spec = mesh_topology(mesh, rank, world_size)
-        given = self._ldet_steps.topology_spec
-        if given is not None and (not isinstance(given, dict) or given != spec):
-            raise ValueError(
-                f"[rank: {rank}] `topology={given!r}` contradicts the strategy's device mesh {spec} (data_parallel x"
-                " tensor_parallel): pass no `topology`, the mesh sets it"
-            )
-        self._ldet_steps.topology_spec = spec
-        self._ldet_steps.distinct_data_parallel = True
-        threads = equalize_threads()
-        rank_zero_info(f"lightning_determinism: every rank computes with {threads} intra-op thread(s)")
+        if mesh is not None:
+            follow_mesh(self._ldet_steps, mesh, rank, world_size)
 
     def _add_rng_checkpoint(self) -> None:
         """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""

@@ -10,10 +10,12 @@ import lightning_determinism
 from lightning_determinism import (
     DeterministicDDPStrategy,
     DeterministicFSDPStrategy,
+    DeterministicModelParallelStrategy,
     DeterministicSingleDeviceStrategy,
     DeterministicStrategyMixin,
 )
 from lightning_determinism.fabric import DeterministicFabricDDPStrategy
+from lightning_determinism.model_parallel_strategy import register_model_parallel_strategy
 from lightning_determinism.strategies import register_strategies
 from tests.helpers import requires_cuda
 from tests.lightning_models import fit, read_records, reference_draws
@@ -24,6 +26,7 @@ REGISTERED = {
     "ddp_fork_deterministic": (DeterministicDDPStrategy, "fork"),
     "ddp_notebook_deterministic": (DeterministicDDPStrategy, "fork"),
     "fsdp_deterministic": (DeterministicFSDPStrategy, None),
+    "model_parallel_deterministic": (DeterministicModelParallelStrategy, None),
     "single_device_deterministic": (DeterministicSingleDeviceStrategy, None),
 }
 
@@ -40,7 +43,7 @@ def test_names_are_registered_on_import(name):
 
 def test_registration_survives_a_second_import_and_call():
     importlib.reload(lightning_determinism)
-    assert set(REGISTERED) <= set(register_strategies())
+    assert set(REGISTERED) <= set(register_strategies()) | set(register_model_parallel_strategy())
     assert "ddp_deterministic" in StrategyRegistry
 
 

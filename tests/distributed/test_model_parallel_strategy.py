@@ -16,6 +16,7 @@ from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).parent / "scripts" / "model_parallel_run.py"
+FABRIC = Path(__file__).parent / "scripts" / "fabric_model_parallel.py"
 CONFIGS = [
     {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True},
     {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5]},
@@ -25,16 +26,26 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Three child processes side by side: the configurations, a Fabric loop, and the mixin's rule before it followed
+    the mesh (base + rank everywhere), for the replica guard."""
     root = tmp_path_factory.mktemp("model-parallel")
-    main = subprocess.Popen([sys.executable, str(SCRIPT), str(root), json.dumps(CONFIGS)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=child_env())  # fmt: skip
-    # The mixin's rule before it followed the mesh (base + rank everywhere), for the replica guard.
+    (root / "fabric").mkdir()
     old_config = json.dumps([{"name": "old", "dp": 1, "tp": 2}])
-    old = subprocess.run([sys.executable, str(SCRIPT), str(root / "old"), old_config], capture_output=True, text=True,
-                         timeout=CHILD_TIMEOUT_S, env=child_env(GUARD="off"))  # fmt: skip
-    output = main.communicate(timeout=CHILD_TIMEOUT_S)[0]
-    assert main.returncode == 0, output[-5000:]
-    return root, old
+    commands = {
+        "main": ([str(SCRIPT), str(root), json.dumps(CONFIGS)], {}),
+        "fabric": ([str(FABRIC), str(root / "fabric")], {}),
+        "old": ([str(SCRIPT), str(root / "old"), old_config], {"GUARD": "off"}),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(**env)
+        )  # fmt: skip
+        for name, (args, env) in commands.items()
+    }
+    done = {name: (proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for name, proc in procs.items()}
+    for name in ("main", "fabric"):
+        assert done[name][1] == 0, f"{name}: " + done[name][0][-5000:]
+    return root, done["old"]
 
 
 def ranks(root, name, run="straight"):
@@ -93,9 +104,9 @@ def test_a_mid_epoch_resume_from_a_distributed_checkpoint_is_bitwise(runs, name,
 
 
 def test_the_replica_guard_catches_the_mixins_old_rule(runs):
-    old = runs[1]
-    assert old.returncode != 0
-    assert "step 1: `model.down.bias`, replicated along tensor_parallel, differs between ranks 0 and 1" in old.stderr
+    output, returncode = runs[1]
+    assert returncode != 0
+    assert "step 1: `model.down.bias`, replicated along tensor_parallel, differs between ranks 0 and 1" in output
 
 
 def _threads(rank, world_size):
@@ -120,3 +131,13 @@ def test_a_mesh_of_other_dimensions_or_layout_is_refused():
     Mesh.mesh_dim_names = ("dp", "tp")
     with pytest.raises(ValueError, match=r"has dimensions \('dp', 'tp'\)"):
         mesh_topology(Mesh(), rank=1, world_size=4)
+
+
+def test_a_fabric_loop_follows_the_same_rule(runs):
+    records = [json.loads((runs[0] / "fabric" / f"rank{r}.json").read_text()) for r in range(2)]
+    one = json.loads((runs[0] / "tp2" / "one_process.json").read_text())["start"]
+    assert records[0]["start"] == records[1]["start"] == one
+    for step in ("1", "8"):
+        a, b = (record["steps"][step] for record in records)
+        assert a["draws"]["default"] == b["draws"]["default"] and a["draws"]["fork"] != b["draws"]["fork"]
+        assert a["replicated"] == b["replicated"]
