@@ -23,6 +23,7 @@ pytestmark = pytest.mark.distributed
 
 CONFIG = "2-ranks-persistent-workers"
 VALIDATION = "2-ranks-accumulate-own-sampler-validation"  # 2 optimizer steps per epoch
+MAIN_ONLY = "2-ranks-in-process-data"
 
 
 def _wait_for(paths, proc, what):
@@ -53,10 +54,13 @@ def jobs(tmp_path_factory):
 
     1. The job signalled as a whole at step 4 and again after its checkpoint.
     2. The job signalled while every rank holds in batch 1 of the validation pass after epoch 1 (global step 4).
+    3. A fork job whose main process alone is signalled at step 3 (it passes the signal on to the ranks).
     """
     whole, validation = tmp_path_factory.mktemp("faults"), tmp_path_factory.mktemp("validation")
+    main_only = tmp_path_factory.mktemp("main-only")
     first = _start("preempt", whole, env={**CONFIGS[CONFIG][0], "PREEMPT_AT_STEP": "4", "HOLD": "1"}, session=True)
     second = _start("preempt", validation, env={**CONFIGS[VALIDATION][0], "PREEMPT_IN_VALIDATION": "1"}, session=True)
+    third = _start("preempt", main_only, env={**CONFIGS[MAIN_ONLY][0], "PREEMPT_AT_STEP": "3"})
     _wait_for([whole / "ready0", whole / "ready1"], first, "both ranks reached step 4")
     os.killpg(first.pid, signal.SIGTERM)  # every process: main, ranks, data-loader workers
     _wait_for([whole / "exiting"], first, "the ranks' stop after the preemption checkpoint")
@@ -64,17 +68,23 @@ def jobs(tmp_path_factory):
     (whole / "released").write_text("")
     _wait_for([validation / "ready0", validation / "ready1"], second, "both ranks held in the validation pass")
     os.killpg(second.pid, signal.SIGTERM)
-    outputs = [proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for proc in (first, second)]
+    _wait_for([main_only / "ready0", main_only / "ready1"], third, "both ranks reached step 3")
+    third.send_signal(signal.SIGTERM)  # to the main process only: it forwards the signal to the forked ranks
+    outputs = [proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for proc in (first, second, third)]
     deadline = time.monotonic() + 30  # the kernel reaps the last workers after their rank
     while _group_alive(first.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     left = _group_alive(first.pid)
-    requeues = [_start("requeue", whole, env=CONFIGS[CONFIG][0]), _start("requeue", validation,
-                                                                             env=CONFIGS[VALIDATION][0])]  # fmt: skip
+    requeues = [
+        _start("requeue", whole, env=CONFIGS[CONFIG][0]),
+        _start("requeue", validation, env=CONFIGS[VALIDATION][0]),
+        _start("resume", main_only / "after", main_only / "preempted.ckpt", env=CONFIGS[MAIN_ONLY][0]),
+    ]
     requeued = [(proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for proc in requeues]
     return {
         "whole": (whole, first.returncode, outputs[0], left, requeued[0]),
         "validation": (validation, second.returncode, outputs[1], requeued[1]),
+        "main-only": (main_only, third.returncode, outputs[2], requeued[2]),
     }
 
 
@@ -118,3 +128,13 @@ def test_a_signal_during_validation_saves_the_training_state_at_once_and_the_pas
     straight, resumed = result(resume_runs / VALIDATION / "straight"), result(out)
     assert_continues(straight, resumed, 4)
     assert resumed["val"] == {epoch: loss for epoch, loss in straight["val"].items() if int(epoch) >= 1}
+
+
+def test_a_signal_to_the_main_process_alone_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise(resume_runs, jobs):
+    out, returncode, output, (resume_output, resume_code) = jobs["main-only"]
+    assert returncode == 0, output[-4000:]
+    assert "Preempted by signal 15" in output and (out / "preempted.ckpt").exists()
+    saved = torch.load(out / "preempted.ckpt", weights_only=True)
+    assert int(saved["global_step"]) == 4  # the step that was running when the signal came, completed
+    assert resume_code == 0, resume_output[-5000:]
+    assert_continues(result(resume_runs / MAIN_ONLY / "straight"), result(out / "after" / "preempted"), 4)

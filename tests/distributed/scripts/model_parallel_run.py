@@ -2,7 +2,7 @@
 
 python model_parallel_run.py OUT JSON    # JSON: a list of configs {"name", "dp", "tp", "resume": [K...], "twice"}
 
-Per config: the straight run (4 epochs of 4 steps, a checkpoint after every step: Lightning's distributed checkpoint
+Per config: the straight run (2 epochs of 16 samples, a checkpoint every 5 steps: Lightning's distributed checkpoint
 directories), then a run resumed from each step K, in this process (new forked ranks each time). Every rank writes
 OUT/<name>/<run>/rank<r>.json: per step the draws of the default stream and of the tracker's fork, the loss, the
 digests of the tensors the tensor-parallel dimension replicates, and at the start the digest of the gathered model;
@@ -101,7 +101,7 @@ class Net(L.LightningModule):
         self.record["steps"][int(self.trainer.global_step)]["replicated"] = replicated_digests(self.model)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0))), batch_size=2)
+        return DataLoader(TensorDataset(torch.randn(16, 8, generator=torch.Generator().manual_seed(0))), batch_size=2)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -125,7 +125,7 @@ def fit(out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool 
     cls = OldRule if GUARD == "off" else DeterministicModelParallelStrategy
     strategy = cls(seed=SEED, data_parallel_size=dp, tensor_parallel_size=tp, start_method="fork")
     callbacks = (
-        [ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")] if every_step else []
+        [ModelCheckpoint(dirpath=out, every_n_train_steps=5, save_top_k=-1, filename="{step}")] if every_step else []
     )
     callbacks.append(ReplicaGuard(every_n_train_steps=1))  # every step: a drift is caught at once
     trainer = L.Trainer(
