@@ -100,6 +100,8 @@ def _unusable_input(path: str, kind: str) -> str | None:
         '.: is a directory, not a baseline file'
     """
     if os.path.isdir(path):
+        if kind.startswith("checkpoint") and os.path.isfile(os.path.join(path, "meta.pt")):
+            return None  # Lightning's distributed checkpoint (ModelParallelStrategy, FSDP): a directory
         return f"{path}: is a directory, not a {kind}"
     if not os.path.exists(path):
         return f"{path}: no such file"

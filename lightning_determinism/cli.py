@@ -163,6 +163,23 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     return description
 
 
+def describe_distributed_checkpoint(path: Path) -> dict[str, Any]:
+    """What a Lightning distributed checkpoint directory (``ModelParallelStrategy``, FSDP) holds.
+
+    Rank 0's ``meta.pt`` (the RNG states of every rank, the loops, the report) lies beside the shard files of the
+    weights and optimizer states.
+
+    Raises:
+        _BadInput: if ``meta.pt`` cannot be read as a checkpoint.
+    """
+    description = describe_checkpoint(path / "meta.pt")
+    description["kind"] = "Lightning distributed checkpoint (a directory: rank 0's meta.pt and the shards)"
+    description.pop("parameters", None)  # the weights are in the shards, not in meta.pt
+    description.pop("optimizers", None)
+    description["shard_files"] = len(list(path.glob("*.distcp")))
+    return description
+
+
 def _report(args: argparse.Namespace) -> int:
     if args.path is None:
         from lightning_determinism.backends import determinism_report
@@ -174,11 +191,14 @@ def _report(args: argparse.Namespace) -> int:
             _print_flags(report)
         return 0
     path = Path(args.path)
-    if path.is_dir():
+    if path.is_dir() and (path / "meta.pt").is_file():
+        description = describe_distributed_checkpoint(path)
+    elif path.is_dir():
         raise _BadInput(f"{path}: is a directory, not a checkpoint or baseline file")
-    if not path.is_file():
+    elif not path.is_file():
         raise _BadInput(f"{path}: no such file")
-    description = describe_baseline(load_baseline(path)) if path.suffix == ".json" else describe_checkpoint(path)
+    else:
+        description = describe_baseline(load_baseline(path)) if path.suffix == ".json" else describe_checkpoint(path)
     if args.json:
         print(json.dumps(description, indent=2))
         return 0

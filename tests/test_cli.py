@@ -197,3 +197,20 @@ def test_report_of_a_truncated_legacy_format_checkpoint_says_so(tmp_path, capsys
     assert cli.main(["report", str(cut)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"lightning-determinism: error: {cut}: a damaged or truncated checkpoint (40 bytes; ")
+
+
+def test_report_reads_a_distributed_checkpoint_directory(tmp_path, capsys):
+    # Lightning's ModelParallelStrategy / FSDP checkpoint: a directory of shards beside rank 0's meta.pt.
+    directory = tmp_path / "step=5.ckpt"
+    directory.mkdir()
+    rng = {"python": {}, "numpy": {}, "torch": torch.get_rng_state(), "cuda": [], "tracker": {}, "generators": {}}
+    _checkpoint(directory, rng, name="meta.pt")
+    for rank in range(2):
+        (directory / f"__{rank}_0.distcp").write_bytes(b"")
+    assert entry.main(["report", str(directory), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["kind"].startswith("Lightning distributed checkpoint") and described["shard_files"] == 2
+    assert described["global_step"] == 2 and "1 rank(s): python, numpy, torch CPU" in described["rng_state"]
+    (directory / "meta.pt").unlink()
+    assert entry.main(["report", str(directory)]) == 2
+    assert "is a directory, not a checkpoint or baseline file" in capsys.readouterr().err
