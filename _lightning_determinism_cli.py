@@ -3,8 +3,8 @@
 It lives outside the ``lightning_determinism`` package on purpose. Importing any module of the package first runs
 ``lightning_determinism/__init__.py``, which imports torch and Lightning (seconds) because importing the package
 registers the deterministic strategies. ``--help``, a bad argument and an input file that is missing or unreadable
-are answered from here with the standard library only, at once; :mod:`lightning_determinism.cli`, which does a
-subcommand's work, is imported once the arguments are known to be good. ``python -m lightning_determinism`` runs the
+are answered from here with the standard library only, at once; :mod:`lightning_determinism.divergence.cli`, which does
+a subcommand's work, is imported once the arguments are known to be good. ``python -m lightning_determinism`` runs the
 same :func:`main`, after the package's import.
 """
 
@@ -19,8 +19,8 @@ from typing import NoReturn
 
 PROG = "lightning-determinism"
 
-# The values of lightning_determinism.baseline_file.DEFAULT_RTOL / DEFAULT_ATOL, which `compare` applies when the
-# option is not given; written out here so that `--help` need not import the package (a test keeps them equal).
+# The values of lightning_determinism.divergence.baseline_file.DEFAULT_RTOL / DEFAULT_ATOL, which `compare` applies when
+# the option is not given; written out here so that `--help` need not import the package (a test keeps them equal).
 _DEFAULT_TOLERANCES = {"rtol": "0.0001", "atol": "1e-06"}
 
 
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    from lightning_determinism.cli import run  # torch and Lightning: only now that there is work to do
+    from lightning_determinism.divergence.cli import run  # torch and Lightning: only now that there is work to do
 
     return run(args)
 

@@ -30,8 +30,8 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from torch import nn
 
-from lightning_determinism.checkpoint_integrity import checkpoint_digest
-from lightning_determinism.checkpoint_io import AtomicCheckpointIO
+from lightning_determinism.checkpoints.integrity import checkpoint_digest
+from lightning_determinism.checkpoints.io import AtomicCheckpointIO
 
 
 def build_checkpoint(parameters: int) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from tiny_lm import TinyLM, build_data  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Subset, TensorDataset  # noqa: E402
 
-import lightning_determinism.tree as tree  # noqa: E402
+import lightning_determinism.invariance.tree as tree  # noqa: E402
 from lightning_determinism import DeterministicDDPStrategy  # noqa: E402
 
 TIMES: dict[str, float] = {"local accumulation": 0.0, "all-reduce calls": 0.0, "finishing the tree": 0.0}
@@ -196,8 +196,8 @@ def reseed(number: int = 20_000) -> None:
 
     import numpy as np
 
-    from lightning_determinism.invariant import micro_batch_seed, reseed_for_micro_batch
-    from lightning_determinism.seeding import StepSeeds, _key_words
+    from lightning_determinism.invariance.invariant import micro_batch_seed, reseed_for_micro_batch
+    from lightning_determinism.seeding.seeds import StepSeeds, _key_words
 
     def numpy_seed(*keys) -> int:
         words = [w for key in keys for w in _key_words(key)]

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from tiny_lm import TinyLM, build_data  # noqa: E402
 
-from lightning_determinism.isolation import evaluation_streams  # noqa: E402
+from lightning_determinism.seeding.isolation import evaluation_streams  # noqa: E402
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from tiny_lm import TinyLM  # noqa: E402
 
 from lightning_determinism import set_seed  # noqa: E402
-from lightning_determinism.rng import capture_rng_state, restore_rng_state  # noqa: E402
+from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:

@@ -13,7 +13,7 @@ import timeit
 
 import torch
 
-from lightning_determinism.rng import RNGStatesTracker, generator
+from lightning_determinism.seeding.rng import RNGStatesTracker, generator
 
 
 def main() -> None:

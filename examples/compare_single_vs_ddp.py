@@ -25,7 +25,7 @@ import lightning as L  # noqa: E402
 
 from lightning_determinism import DeterministicDDPStrategy  # noqa: E402
 from lightning_determinism.callbacks.baseline import NumericalBaseline  # noqa: E402
-from lightning_determinism.cli import main as cli  # noqa: E402
+from lightning_determinism.divergence.cli import main as cli  # noqa: E402
 
 
 class Regressor(L.LightningModule):

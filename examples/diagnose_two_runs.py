@@ -26,7 +26,7 @@ import lightning as L  # noqa: E402
 from tiny_lm import TinyLM, build_data  # noqa: E402  (sets one intra-op thread, quiets Lightning)
 
 from lightning_determinism import DeterministicSingleDeviceStrategy, DivergenceProbe, diagnose  # noqa: E402
-from lightning_determinism.diagnosis import format_diagnosis  # noqa: E402
+from lightning_determinism.divergence.diagnosis import format_diagnosis  # noqa: E402
 
 STEPS = 4
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_determinism import set_seed
-from lightning_determinism.rng import generator, get_rng_tracker
-from lightning_determinism.topology import Topology, model_parallel_seed
+from lightning_determinism.parallel.topology import Topology, model_parallel_seed
+from lightning_determinism.seeding.rng import generator, get_rng_tracker
 
 
 def digest(t: torch.Tensor) -> str:

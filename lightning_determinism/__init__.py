@@ -5,10 +5,8 @@ Importing the package registers the deterministic strategies in Lightning's ``St
 Every public name the documentation uses can be imported from here.
 """
 
+from lightning_determinism import _moved
 from lightning_determinism.__about__ import __version__
-from lightning_determinism.backends import configure_determinism, determinism_report
-from lightning_determinism.baseline_file import BaselineFileError, compare_baselines, load_baseline
-from lightning_determinism.baseline_recorder import BaselineMismatch, BaselineRecorder
 from lightning_determinism.callbacks import (
     NumericalBaseline,
     PreemptionCheckpoint,
@@ -16,10 +14,12 @@ from lightning_determinism.callbacks import (
     RNGStateCheckpoint,
     WorkerSeedCallback,
 )
-from lightning_determinism.checkpoint_file import DamagedCheckpointError
-from lightning_determinism.checkpoint_io import AtomicCheckpointIO
+from lightning_determinism.checkpoints.file import DamagedCheckpointError
+from lightning_determinism.checkpoints.io import AtomicCheckpointIO
 from lightning_determinism.data.samplers import UnpaddedDistributedSampler
-from lightning_determinism.diagnosis import (
+from lightning_determinism.divergence.baseline_file import BaselineFileError, compare_baselines, load_baseline
+from lightning_determinism.divergence.baseline_recorder import BaselineMismatch, BaselineRecorder
+from lightning_determinism.divergence.diagnosis import (
     DivergenceProbe,
     ProbeFileError,
     ProbeRecorder,
@@ -28,8 +28,21 @@ from lightning_determinism.diagnosis import (
     diagnose_checkpoints,
     load_probe,
 )
+from lightning_determinism.divergence.fingerprint import fingerprint, tensor_fingerprints
 from lightning_determinism.errors import DeterminismWarning, IncompatibleVersionError
-from lightning_determinism.fabric import (
+from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
+from lightning_determinism.parallel.topology import GroupInfo, Topology, model_parallel_seed, stream_seeds
+from lightning_determinism.seeding.backends import configure_determinism, determinism_report
+from lightning_determinism.seeding.isolation import evaluation_streams
+from lightning_determinism.seeding.rng import (
+    RNGStatesTracker,
+    capture_rng_state,
+    generator,
+    get_rng_tracker,
+    restore_rng_state,
+)
+from lightning_determinism.seeding.seeds import derive_seed, set_seed
+from lightning_determinism.strategies.fabric import (
     DeterministicFabricDDPStrategy,
     DeterministicFabricFSDPStrategy,
     DeterministicFabricModelParallelStrategy,
@@ -38,33 +51,22 @@ from lightning_determinism.fabric import (
     FabricRNGState,
     register_fabric_strategies,
 )
-from lightning_determinism.fingerprint import fingerprint, tensor_fingerprints
-from lightning_determinism.isolation import evaluation_streams
-from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
-from lightning_determinism.model_parallel_strategy import (
+from lightning_determinism.strategies.model_parallel import (
     DeterministicModelParallelStrategy,
     register_model_parallel_strategy,
 )
-from lightning_determinism.rng import (
-    RNGStatesTracker,
-    capture_rng_state,
-    generator,
-    get_rng_tracker,
-    restore_rng_state,
-)
-from lightning_determinism.seeding import derive_seed, set_seed
-from lightning_determinism.strategies import (
+from lightning_determinism.strategies.trainer import (
     DeterministicDDPStrategy,
     DeterministicFSDPStrategy,
     DeterministicSingleDeviceStrategy,
     DeterministicStrategyMixin,
     register_strategies,
 )
-from lightning_determinism.topology import GroupInfo, Topology, model_parallel_seed, stream_seeds
 
 register_strategies()
 register_model_parallel_strategy()
 register_fabric_strategies()
+_moved.install()  # the flat layout's module paths, for one release (see _moved)
 
 __all__ = [
     "AtomicCheckpointIO",

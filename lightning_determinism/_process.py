@@ -1,4 +1,4 @@
-"""Process-level helpers shared by the launchers and the data-loader workers (a leaf: no Lightning)."""
+"""Process-level helpers used everywhere: rank and world size, dying with the parent (a leaf: no Lightning)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import os
 import signal
 import sys
 
+import torch.distributed as dist
+
 _PR_SET_PDEATHSIG = 1
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    """Rank and world size of the default process group, or ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def die_with_parent(parent_pid: int) -> bool:

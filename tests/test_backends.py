@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_determinism import DeterminismWarning, configure_determinism, determinism_report, set_seed
-from lightning_determinism.backends import debug_mode_name, normalize_debug_mode
+from lightning_determinism.seeding.backends import debug_mode_name, normalize_debug_mode
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_determinism import DeterminismWarning, DeterministicSingleDeviceStrategy, NumericalBaseline
 from lightning_determinism.callbacks.baseline import BaselineMismatch
-from lightning_determinism.cli import main as cli
+from lightning_determinism.divergence.cli import main as cli
 from tests.helpers import requires_cuda
 from tests.lightning_models import quiet_trainer
 
@@ -235,8 +235,8 @@ def test_cli_a_directory_instead_of_a_file(recorded, tmp_path, capsys):
 
 
 def test_the_figure_says_identical_marks_the_divergence_and_draws_the_tolerance(recorded, tmp_path):
-    from lightning_determinism._compare_plot import make_figure
-    from lightning_determinism.baseline_file import compare_baselines, load_baseline
+    from lightning_determinism.divergence._compare_plot import make_figure
+    from lightning_determinism.divergence.baseline_file import compare_baselines, load_baseline
 
     data = load_baseline(recorded)
     fig = make_figure(compare_baselines(data, data, 1e-4, 1e-6), "a", "b", 1e-4, 1e-6)

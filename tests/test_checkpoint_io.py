@@ -28,10 +28,10 @@ from lightning_determinism import (
     DeterministicSingleDeviceStrategy,
     cli,
 )
-from lightning_determinism.atomic_file import write_atomically
-from lightning_determinism.checkpoint_file import check_checkpoint_file
-from lightning_determinism.checkpoint_integrity import DIGEST_KEY, checkpoint_digest
-from lightning_determinism.checkpoint_io import check_resume_path
+from lightning_determinism.checkpoints.atomic import write_atomically
+from lightning_determinism.checkpoints.file import check_checkpoint_file
+from lightning_determinism.checkpoints.integrity import DIGEST_KEY, checkpoint_digest
+from lightning_determinism.checkpoints.io import check_resume_path
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import _lightning_determinism_cli as entry
-from lightning_determinism import cli
-from lightning_determinism.baseline_file import DEFAULT_ATOL, DEFAULT_RTOL
-from lightning_determinism.rank_states import CHECKPOINT_KEY
+from lightning_determinism.divergence import cli
+from lightning_determinism.divergence.baseline_file import DEFAULT_ATOL, DEFAULT_RTOL
+from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY
 from tests.helpers import CHILD_TIMEOUT_S, child_env
 
 ROOT = Path(__file__).resolve().parents[1]

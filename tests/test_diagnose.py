@@ -23,7 +23,7 @@ from lightning_determinism import (
     diagnose,
     diagnose_checkpoints,
 )
-from lightning_determinism.cli import main as cli
+from lightning_determinism.divergence.cli import main as cli
 from tests.fault_models import FaultNet
 from tests.helpers import CHILD_TIMEOUT_S, child_env
 from tests.lightning_models import quiet_trainer
@@ -277,7 +277,7 @@ def test_unwrap_finds_the_users_module_inside_fabrics_wrapper():
     import lightning as L
     from torch import nn
 
-    from lightning_determinism.diagnosis.recorder import unwrap
+    from lightning_determinism.divergence.diagnosis.recorder import unwrap
 
     model = nn.Linear(2, 2)
     fabric = L.Fabric(accelerator="cpu", devices=1)

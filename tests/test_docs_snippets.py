@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_determinism.rng import capture_rng_state, get_rng_tracker, restore_rng_state
+from lightning_determinism.seeding.rng import capture_rng_state, get_rng_tracker, restore_rng_state
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -20,7 +20,7 @@ from lightning_determinism import (
     FabricRNGState,
     WorkerSeedCallback,
 )
-from lightning_determinism.seeding import current_seeds
+from lightning_determinism.seeding.seeds import current_seeds
 from tests.lightning_models import NoisyPoints, StreamDataset, _uncollated, fit_streams
 
 KEYS = ("epoch", "index", "worker", "pytorch_worker_seed", "torch", "numpy", "python")

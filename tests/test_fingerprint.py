@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_determinism import fingerprint
-from lightning_determinism.fingerprint import tensor_fingerprints
+from lightning_determinism.divergence.fingerprint import tensor_fingerprints
 from tests.helpers import requires_cuda
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, fingerprint
-from lightning_determinism.isolation import _StreamKeepingLoad
+from lightning_determinism.seeding.isolation import _StreamKeepingLoad
 from tests.lightning_models import quiet_trainer
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import lightning_determinism.rng as rng_module
+import lightning_determinism.seeding.rng as rng_module
 from lightning_determinism import set_seed
-from lightning_determinism.rng import (
+from lightning_determinism.seeding.rng import (
     RNGStatesTracker,
     capture_rng_state,
     generator,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_determinism import derive_seed, set_seed
-from lightning_determinism.seeding import check_seed, current_seeds, resolve_base_seed
+from lightning_determinism.seeding.seeds import check_seed, current_seeds, resolve_base_seed
 from tests.lightning_models import draws, reference_draws
 
 HI = 2**32 - 1
@@ -176,7 +176,7 @@ def test_derive_seed_values_are_pinned(keys, seed):
 
 
 def test_derive_seed_equals_numpy_seed_sequence_over_random_keys():
-    from lightning_determinism.seeding import _key_words
+    from lightning_determinism.seeding.seeds import _key_words
 
     rng = random.Random(0)
     for _ in range(500):
@@ -199,7 +199,7 @@ def test_derive_seed_does_not_take_true_for_one_from_its_cache():
 def test_the_invariant_modes_micro_batch_seeds_equal_numpy_over_random_steps():
     # The invariant mode keeps one step's hash state between its micro-batches (StepSeeds); every value must be
     # numpy's SeedSequence of the same words, as derive_seed's are (PINNED holds two of them).
-    from lightning_determinism.seeding import StepSeeds, _key_words
+    from lightning_determinism.seeding.seeds import StepSeeds, _key_words
 
     rng = random.Random(1)
     for base in (7, 0, 2**33, rng.randrange(2**32)):

@@ -14,9 +14,9 @@ from lightning_determinism import (
     DeterministicSingleDeviceStrategy,
     DeterministicStrategyMixin,
 )
-from lightning_determinism.fabric import DeterministicFabricDDPStrategy
-from lightning_determinism.model_parallel_strategy import register_model_parallel_strategy
-from lightning_determinism.strategies import register_strategies
+from lightning_determinism.strategies.fabric import DeterministicFabricDDPStrategy
+from lightning_determinism.strategies.model_parallel import register_model_parallel_strategy
+from lightning_determinism.strategies.trainer import register_strategies
 from tests.helpers import requires_cuda
 from tests.lightning_models import fit, read_records, reference_draws
 

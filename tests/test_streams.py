@@ -230,7 +230,7 @@ def test_a_rank_that_would_have_one_batch_fewer_repeats_a_sample_and_says_so(mon
 
 
 def test_a_litdata_drop_last_other_than_the_checkpoints_is_refused_at_resume_in_one_line():
-    from lightning_determinism._compat_data import litdata_state_for
+    from lightning_determinism._compat.data import litdata_state_for
 
     loader = SimpleNamespace(dataset=SimpleNamespace(drop_last=False), num_workers=2, batch_size=4)
     state = {"dataset": {"drop_last": True, "world_size": 1, "initial_world_size": 1, "sample_in_epoch": 8}}
@@ -245,7 +245,7 @@ def test_a_litdata_drop_last_other_than_the_checkpoints_is_refused_at_resume_in_
 def test_litdata_default_drop_last_resumes_on_another_world_size_and_deals_the_whole_rest():
     import litdata.streaming.dataset as litdata_dataset
 
-    from lightning_determinism._compat_data import litdata_exact_restripe, litdata_state_for
+    from lightning_determinism._compat.data import litdata_exact_restripe, litdata_state_for
     from lightning_determinism.data.elastic_streams import exact_plans
 
     # Written on 2 ranks with the default (True), resumed on this one process (False): accepted.

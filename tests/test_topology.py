@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from lightning_determinism.topology import AXES, GroupInfo, Topology, stream_seeds
+from lightning_determinism.parallel.topology import AXES, GroupInfo, Topology, stream_seeds
 
 
 def degree_tuples(max_world):
@@ -99,7 +99,7 @@ def test_stream_rules_hold_for_every_topology_up_to_64(monkeypatch):
     # cannot change these rules. derive_seed is memoised here: the same function, called fewer times.
     import functools
 
-    import lightning_determinism.topology as topology_module
+    import lightning_determinism.parallel.topology as topology_module
 
     monkeypatch.setattr(topology_module, "derive_seed", functools.lru_cache(maxsize=None)(topology_module.derive_seed))
     for dp, pp, sh, mp, sep in degree_tuples(64):

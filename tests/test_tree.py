@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from lightning_determinism.tree import GradientTree, tree_sum
+from lightning_determinism.invariance.tree import GradientTree, tree_sum
 
 
 def bits(t: torch.Tensor) -> list[int]:

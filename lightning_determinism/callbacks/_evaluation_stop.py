@@ -2,8 +2,8 @@
 
 Waiting for a validation pass to end may take longer than the grace period a scheduler leaves before ``SIGKILL``.
 The training state to save exists during the pass, unchanged: evaluation trains nothing, and it draws from streams
-of its own (:mod:`~lightning_determinism.isolation`). So :class:`~lightning_determinism.PreemptionCheckpoint` stops
-at the next evaluation batch:
+of its own (:mod:`~lightning_determinism.seeding.isolation`). So :class:`~lightning_determinism.PreemptionCheckpoint`
+stops at the next evaluation batch:
 
 - **Agreement without a collective.** Ranks may be at different batches (evaluation loaders need not give every
   rank as many batches), and a collective in the middle of a pass would pair with another rank's own. A rank that
@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_determinism._compat import default_store, dump_checkpoint
+from lightning_determinism._compat.checks import default_store, dump_checkpoint
 
 _WAIT_FOR_RANK_ZERO = timedelta(minutes=10)
 _VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"

@@ -1,7 +1,7 @@
 """NumericalBaseline: record the first steps of a Trainer run, or check a run against such a record.
 
-The Trainer's form of :class:`~lightning_determinism.baseline_recorder.BaselineRecorder` (see there for the method
-and the file format): gradient norms are taken after DDP's all-reduce, just before the optimizer step; parameter
+The Trainer's form of :class:`~lightning_determinism.divergence.baseline_recorder.BaselineRecorder` (see there for the
+method and the file format): gradient norms are taken after DDP's all-reduce, just before the optimizer step; parameter
 norms and fingerprints just after it. The loss of a step is the mean of the losses of all its micro-batches (every
 batch of the accumulation window) on all ranks, from exact sums: the same bits on any world size when the
 micro-batch losses are the same.
@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism.baseline_recorder import BaselineMismatch, BaselineRecorder
+from lightning_determinism.divergence.baseline_recorder import BaselineMismatch, BaselineRecorder
 
 
 class NumericalBaseline(BaselineRecorder, Callback):

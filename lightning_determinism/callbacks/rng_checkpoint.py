@@ -3,7 +3,7 @@
 Lightning checkpoints hold no RNG state: a resumed run draws other dropout masks, shuffles and augmentations than
 the run it continues. This callback writes, under the checkpoint key ``"lightning_determinism_rng"``:
 
-- per rank, gathered to the saving rank: :func:`~lightning_determinism.rng.capture_rng_state` (python, numpy,
+- per rank, gathered to the saving rank: :func:`~lightning_determinism.seeding.rng.capture_rng_state` (python, numpy,
   torch CPU, every CUDA device, the tracker, isolated generators) and the
   :class:`~lightning_determinism.WorkerSeedCallback` loader generators;
 - a sha256 digest of each rank's state, so the restore can check that every rank got its own state back and
@@ -23,9 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
-from lightning_determinism import elastic
-from lightning_determinism._compat import should_accumulate
-from lightning_determinism.backends import determinism_report
+from lightning_determinism._compat.checks import should_accumulate
 from lightning_determinism.data.positions import (
     consumed_batches,
     loader_positions,
@@ -34,12 +32,14 @@ from lightning_determinism.data.positions import (
     stock_positions,
 )
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.isolation import training_rng_state
-from lightning_determinism.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
-from lightning_determinism.rank_states import all_gather as _all_gather
-from lightning_determinism.rank_states import digest as _digest
-from lightning_determinism.rng import capture_rng_state, restore_rng_state
-from lightning_determinism.seeding import current_seeds, derive_seed, seed_all
+from lightning_determinism.invariance import elastic
+from lightning_determinism.seeding.backends import determinism_report
+from lightning_determinism.seeding.isolation import training_rng_state
+from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
+from lightning_determinism.seeding.rank_states import all_gather as _all_gather
+from lightning_determinism.seeding.rank_states import digest as _digest
+from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state
+from lightning_determinism.seeding.seeds import current_seeds, derive_seed, seed_all
 
 _FORMAT = 1
 

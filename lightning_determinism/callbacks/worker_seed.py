@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.worker_seeding import LoaderSeeding
-from lightning_determinism.seeding import check_seed
+from lightning_determinism.seeding.seeds import check_seed
 
 
 class WorkerSeedCallback(Callback):

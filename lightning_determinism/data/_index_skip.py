@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler
 
-from lightning_determinism._compat_data import sampler_iter, set_sampler_iter
+from lightning_determinism._compat.data import sampler_iter, set_sampler_iter
 
 END = object()
 SEEKABLE: tuple[type, ...] = (type(iter([])), type(iter(range(0))))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from lightning_determinism._compat_data import sampler_iter, torch_worker_numpy_seed
+from lightning_determinism._compat.data import sampler_iter, torch_worker_numpy_seed
 
 
 class WorkerReplay:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from lightning_determinism._compat_data import (
+from lightning_determinism._compat.data import (
     drop_loader_iterator,
     forget_worker_pids,
     loader_iterator,

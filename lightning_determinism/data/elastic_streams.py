@@ -36,9 +36,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from lightning_determinism._compat_data import hf_as_node, worker_info_as
+from lightning_determinism._compat.data import hf_as_node, worker_info_as
 from lightning_determinism.data._index_skip import consume
-from lightning_determinism.rng import restore_cpu_streams
+from lightning_determinism.seeding.rng import restore_cpu_streams
 
 LAYOUT = ("world", "num_workers", "batch_size", "drop_last")
 """What a stream's grid is made of; a resume on another one is elastic."""

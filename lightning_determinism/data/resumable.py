@@ -35,8 +35,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_determinism._compat import set_sampler_epoch
-from lightning_determinism._compat_data import base_index_sampler, loader_iterator
+from lightning_determinism._compat.checks import set_sampler_epoch
+from lightning_determinism._compat.data import base_index_sampler, loader_iterator
 from lightning_determinism.data._index_skip import SkipOnce, prime
 from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
@@ -44,7 +44,7 @@ from lightning_determinism.data.positions import current_epoch, is_converted, sh
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.stream_loader import create_stream_iterator
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
+from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
 
 
 class _LazyIterator:

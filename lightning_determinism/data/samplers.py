@@ -19,19 +19,19 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_determinism._compat import module_trainer, trainer_results, update_dataloader, wrapped_sampler
-from lightning_determinism.isolation import current_evaluation_pass
-from lightning_determinism.seeding import derive_seed
+from lightning_determinism._compat.checks import module_trainer, trainer_results, update_dataloader, wrapped_sampler
+from lightning_determinism.seeding.isolation import current_evaluation_pass
+from lightning_determinism.seeding.seeds import derive_seed
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
     """A ``DistributedSampler`` that gives rank ``r`` the indices ``r, r + world, r + 2 * world, ...`` and no padding.
 
     Shuffling, when asked for, uses the same ``seed + epoch`` permutation as ``DistributedSampler``; inside an
-    evaluation pass of the deterministic strategies (:func:`~lightning_determinism.isolation.evaluation_streams`)
-    the permutation comes from ``(seed, stage, epoch, step)`` instead, so that two passes in one epoch read two
-    orders, as a shuffled loader on one device does. Ranks may get one sample more or less than each other: fine for
-    evaluation, not for training under DDP.
+    evaluation pass of the deterministic strategies
+    (:func:`~lightning_determinism.seeding.isolation.evaluation_streams`) the permutation comes from ``(seed, stage,
+    epoch, step)`` instead, so that two passes in one epoch read two orders, as a shuffled loader on one device does.
+    Ranks may get one sample more or less than each other: fine for evaluation, not for training under DDP.
 
     Examples:
         >>> [list(UnpaddedDistributedSampler(range(7), num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]

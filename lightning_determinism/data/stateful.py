@@ -33,10 +33,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_determinism._compat_data import litdata_exact_restripe, litdata_planned_drop_last, litdata_state_for
+from lightning_determinism._compat.data import litdata_exact_restripe, litdata_planned_drop_last, litdata_state_for
 from lightning_determinism.data.elastic_streams import exact_plans
 from lightning_determinism.data.streams import HISTORY  # batches kept to take a position back (fetched ahead)
-from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
+from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
 
 
 def is_stateful_loader(loader: object) -> bool:

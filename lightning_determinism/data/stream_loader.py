@@ -21,7 +21,7 @@ from lightning_determinism.data.streams import (
     TagCollate,
 )
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.seeding import _rank_and_world_size, current_seeds
+from lightning_determinism.seeding.seeds import _rank_and_world_size, current_seeds
 
 
 def stream_plan(loader: Any, trainer: Any) -> StreamPlan:

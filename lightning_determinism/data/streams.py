@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_determinism._compat_data import hf_shuffles
+from lightning_determinism._compat.data import hf_shuffles
 from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, elastic_items, skip_delivered
-from lightning_determinism.rng import capture_cpu_streams, restore_cpu_streams
-from lightning_determinism.seeding import derive_seed
+from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
+from lightning_determinism.seeding.seeds import derive_seed
 
 HISTORY = 16
 """Batches fetched beyond the consumed ones that a position can still be taken back from (Lightning fetches one)."""

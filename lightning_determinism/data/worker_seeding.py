@@ -2,8 +2,8 @@
 
 :class:`LoaderSeeding` prepares loaders for one process (a base seed and a rank). It is shared by
 :class:`~lightning_determinism.WorkerSeedCallback` (the Trainer) and the Fabric strategies
-(:mod:`lightning_determinism.fabric`), so both give a loader the same streams for the same seed, rank, loader,
-worker and epoch:
+(:mod:`lightning_determinism.strategies.fabric`), so both give a loader the same streams for the same seed, rank,
+loader, worker and epoch:
 
 - ``worker_init_fn``: each worker seeds python, numpy and torch with
   ``derive_seed(base, rank, worker_id, iterator_seed)``, where ``iterator_seed`` is the seed PyTorch drew
@@ -33,7 +33,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.seeding import derive_seed
+from lightning_determinism.seeding.seeds import derive_seed
 
 
 def _seed_streams(seed: int, cpu_only: bool = False) -> None:

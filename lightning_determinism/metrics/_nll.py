@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_determinism._compat import mark_unbacked
+from lightning_determinism._compat.checks import mark_unbacked
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.metrics._native import NativeKernel, find_compiler
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_determinism._compat import AX_TYPE, PLOT_OUT_TYPE
+from lightning_determinism._compat.checks import AX_TYPE, PLOT_OUT_TYPE
 from lightning_determinism.exact import TERM_LIMIT, limbs_to_float
 from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_determinism._compat import AX_TYPE, PLOT_OUT_TYPE
+from lightning_determinism._compat.checks import AX_TYPE, PLOT_OUT_TYPE
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, limbs_to_float, zero_limbs
 from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite

@@ -16,7 +16,7 @@ from lightning_determinism import (
     compare_baselines,
     load_baseline,
 )
-from lightning_determinism.invariant import InvariantSampler, InvariantTraining
+from lightning_determinism.invariance.invariant import InvariantSampler, InvariantTraining
 from tests.lightning_models import InvariantModule, quiet_trainer
 
 pytestmark = pytest.mark.distributed
@@ -112,7 +112,7 @@ def test_each_steps_seeds_are_hashed_before_it_starts(tmp_path, monkeypatch):
     # gradients are in flight), so every step after the first finds its state prepared at its first micro-batch.
     import inspect
 
-    from lightning_determinism.seeding import StepSeeds
+    from lightning_determinism.seeding.seeds import StepSeeds
 
     callers = []
     original = StepSeeds._step_state

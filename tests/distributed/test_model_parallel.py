@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_determinism import DeterministicDDPStrategy
-from lightning_determinism.rng import get_rng_tracker
-from lightning_determinism.topology import Topology, model_parallel_seed
+from lightning_determinism.parallel.topology import Topology, model_parallel_seed
+from lightning_determinism.seeding.rng import get_rng_tracker
 from tests.helpers import run_distributed
 from tests.lightning_models import fit, read_records
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_determinism.mesh_seeding import equalize_threads, mesh_topology
+from lightning_determinism.parallel.mesh import equalize_threads, mesh_topology
 from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY, RNGStateCheckpoint, _digest
-from lightning_determinism.rng import capture_rng_state, restore_rng_state
+from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state
 from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_determinism import set_seed
-from lightning_determinism.seeding import current_seeds
+from lightning_determinism.seeding.seeds import current_seeds
 from tests.helpers import run_distributed
 from tests.lightning_models import draws, reference_draws
 

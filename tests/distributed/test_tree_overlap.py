@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_determinism.tree import GradientTree, pair_groups, tree_sum
+from lightning_determinism.invariance.tree import GradientTree, pair_groups, tree_sum
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -1,0 +1,211 @@
+"""NumericalBaseline files: the format, its default tolerances, reading, describing and comparing them.
+
+Used by the callback (writing, whole or not at all by
+:func:`~lightning_determinism.checkpoints.atomic.write_atomically`; comparing a run) and by the command line (comparing
+two files). A non-finite value (NaN, ``inf``) is never "equal": a divergence finder that passes NaN is worse than none.
+Identical non-finite values can be accepted on request (``nonfinite_equal=True``).
+
+This module is a leaf: it knows json and math, nothing of torch or Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+"""The version of the file format written (``{"format": 1, "world_size", "steps": [...], "report": {...}}``)."""
+
+# float32, one process vs DDP on the same global batch: the gradient all-reduce sums in another order (relative
+# error ~1e-7 per step), which a few optimizer steps amplify; 1e-4 relative leaves two orders of magnitude for that
+# while a real bug (a missing all-reduce, a wrong batch, a different dropout mask) moves values by 1e-2 or more.
+DEFAULT_RTOL = 1e-4
+"""Default relative tolerance of a comparison."""
+DEFAULT_ATOL = 1e-6
+"""Default absolute tolerance of a comparison."""
+
+
+class BaselineFileError(ValueError):
+    """A baseline file is missing, unreadable or not a baseline: the message names the file and the problem."""
+
+
+def load_baseline(path: str | Path) -> dict[str, Any]:
+    """Read and check a baseline file.
+
+    Raises:
+        BaselineFileError: naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise BaselineFileError(f"{path}: is a directory, not a baseline file")
+    if not path.is_file():
+        raise BaselineFileError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BaselineFileError(f"{path}: not a baseline file (not JSON: {err})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("steps"), list):
+        raise BaselineFileError(f"{path}: not a baseline file (expected a NumericalBaseline JSON with 'format': 1)")
+    for i, step in enumerate(data["steps"]):
+        if not isinstance(step, dict) or "loss" not in step or "grad_norms" not in step:
+            raise BaselineFileError(f"{path}: step entry {i} is malformed (needs 'loss' and 'grad_norms')")
+    return data
+
+
+def quantities(reference: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(name, reference value, current value)`` for every compared quantity of one step, in a fixed order."""
+    # Per-parameter quantities before the global norm, so that a mismatch names the parameter it starts in.
+    pairs: list[tuple[str, Any, Any]] = [("loss", reference.get("loss"), current.get("loss"))]
+    for group in ("grad_norms", "param_norms"):
+        ref_group, cur_group = reference.get(group, {}), current.get(group, {})
+        pairs.extend((f"{group}[{name}]", ref_group[name], cur_group.get(name)) for name in sorted(ref_group))
+    pairs.append(("grad_norm", reference.get("grad_norm"), current.get("grad_norm")))
+    return pairs
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _same_nonfinite(x: Any, y: Any) -> bool:
+    both_nan = isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
+    return both_nan or (isinstance(x, float) and math.isinf(x) and x == y)
+
+
+def differs(x: Any, y: Any, rtol: float, atol: float, nonfinite_equal: bool = False) -> bool:
+    """Whether two recorded values disagree: beyond tolerance, missing on one side, or not finite.
+
+    Examples:
+        >>> differs(float("nan"), float("nan"), 1e-4, 1e-6), differs(float("nan"), float("nan"), 1e-4, 1e-6, True)
+        (True, False)
+    """
+    if x is None or y is None:
+        return x is not y
+    if not (_finite(x) and _finite(y)):
+        return not (nonfinite_equal and _same_nonfinite(x, y))
+    return not math.isclose(x, y, rel_tol=rtol, abs_tol=atol)
+
+
+def first_mismatch(
+    reference: dict[str, Any], current: dict[str, Any], rtol: float, atol: float, nonfinite_equal: bool = False
+) -> tuple[str, Any, Any] | None:
+    """The first quantity of one step that differs: ``(name, reference value, current value)``, else None.
+
+    Examples:
+        >>> first_mismatch({"loss": 1.0}, {"loss": 1.1}, rtol=1e-4, atol=0.0)
+        ('loss', 1.0, 1.1)
+        >>> first_mismatch({"loss": float("nan")}, {"loss": float("nan")}, rtol=1e-4, atol=0.0)
+        ('loss', nan, nan)
+    """
+    pairs = quantities(reference, current)
+    return next(((n, x, y) for n, x, y in pairs if differs(x, y, rtol, atol, nonfinite_equal)), None)
+
+
+def _abs_diff(a: float, b: float) -> float:
+    if a == b:  # equal infinities included
+        return 0.0
+    return abs(a - b)  # nan or inf when either is not finite
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan if math.isnan(a) or math.isnan(b) else math.inf
+    scale = max(abs(a), abs(b))
+    return abs(a - b) / scale if scale else math.inf
+
+
+def _worst(current: float, new: float) -> float:
+    """The larger difference, where NaN (an undefined difference) outranks everything."""
+    if math.isnan(current) or math.isnan(new):
+        return math.nan
+    return max(current, new)
+
+
+def compare_baselines(
+    a: dict[str, Any], b: dict[str, Any], rtol: float, atol: float, nonfinite_equal: bool = False
+) -> dict[str, Any]:
+    """Per-step maximum absolute and relative differences, non-finite values, and the first divergence.
+
+    Returns:
+        ``{"rows": [...], "first": {...} | None, "nonfinite": [{"step", "name", "a", "b"}, ...],
+        "compared": int}``. A row's ``max_abs``/``max_rel`` is NaN when a value on either side is NaN.
+
+    Raises:
+        BaselineFileError: if the files hold different steps or parameter sets.
+
+    Examples:
+        >>> s = {"step": 0, "loss": 1.0, "grad_norm": 1.0, "grad_norms": {"w": 1.0}, "param_norms": {"w": 2.0}}
+        >>> out = compare_baselines({"steps": [s]}, {"steps": [{**s, "loss": 1.5}]}, rtol=1e-4, atol=0.0)
+        >>> out["first"]["step"], out["first"]["name"]
+        (0, 'loss')
+    """
+    from_a, from_b = a["steps"], b["steps"]
+    if len(from_a) != len(from_b):
+        raise BaselineFileError(f"the files hold different numbers of steps: {len(from_a)} and {len(from_b)}")
+    rows: list[dict[str, Any]] = []
+    first = None
+    nonfinite: list[dict[str, Any]] = []
+    compared = 0
+    for step_a, step_b in zip(from_a, from_b, strict=True):
+        names_a, names_b = set(step_a["grad_norms"]), set(step_b["grad_norms"])
+        if names_a != names_b:
+            only = sorted(names_a ^ names_b)
+            raise BaselineFileError(f"the files hold different parameter sets at step {step_a.get('step')}: {only}")
+        max_abs = max_rel = 0.0
+        for name, x, y in quantities(step_a, step_b):
+            compared += 1
+            if x is not None and y is not None:
+                max_abs, max_rel = _worst(max_abs, _abs_diff(x, y)), _worst(max_rel, _rel(x, y))
+                if not (_finite(x) and _finite(y)):
+                    nonfinite.append({"step": step_a.get("step"), "name": name, "a": x, "b": y})
+            if first is None and differs(x, y, rtol, atol, nonfinite_equal):
+                diff = _abs_diff(x, y) if x is not None and y is not None else math.nan
+                first = {"step": step_a.get("step"), "name": name, "a": x, "b": y, "diff": diff}
+        rows.append(
+            {
+                "step": step_a.get("step"),
+                "loss_a": step_a["loss"],
+                "loss_b": step_b["loss"],
+                "max_abs": max_abs,
+                "max_rel": max_rel,
+                "bitwise_params": step_a.get("param_fingerprints") == step_b.get("param_fingerprints"),
+            }
+        )
+    return {"rows": rows, "first": first, "nonfinite": nonfinite, "compared": compared}
+
+
+def describe_baseline(data: dict[str, Any]) -> dict[str, Any]:
+    """What a baseline file says about the run that wrote it: world size, steps, quantities and its report.
+
+    Examples:
+        >>> describe_baseline({"format": 1, "world_size": 2, "steps": []})["world_size"]
+        2
+    """
+    steps = data.get("steps", [])
+    first = steps[0] if steps else {}
+    return {
+        "kind": "NumericalBaseline file",
+        "world_size": data.get("world_size"),
+        "steps_recorded": len(steps),
+        "parameters": len(first.get("grad_norms", {})),
+        "quantities_per_step": len(quantities(first, first)) if first else 0,
+        "report": data.get("report"),
+    }
+
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "DEFAULT_RTOL",
+    "FORMAT",
+    "BaselineFileError",
+    "compare_baselines",
+    "describe_baseline",
+    "differs",
+    "first_mismatch",
+    "load_baseline",
+    "quantities",
+]

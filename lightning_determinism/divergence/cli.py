@@ -1,0 +1,322 @@
+"""The ``lightning-determinism`` command: ``report``, ``compare`` two baselines, ``diagnose`` two probe files.
+
+    lightning-determinism report [PATH] [--json]
+    lightning-determinism compare A.json B.json [--plot out.png] [--rtol R] [--atol A] [--nonfinite-equal]
+    lightning-determinism diagnose A.json B.json [--json]
+
+Exit status: 0 when the runs agree (``compare``, ``diagnose``) or the report was printed, 1 when they diverge, 2 on
+bad input —
+with one line on stderr naming the argument and no traceback.
+
+The command line is parsed by the light entry module ``_lightning_determinism_cli`` (standard library only, so that
+``--help`` and a bad argument answer at once); this module does the subcommands' work and imports torch only where
+a subcommand needs it (reading a checkpoint, reporting this process's flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from _lightning_determinism_cli import PROG, build_parser, main
+from lightning_determinism.divergence.baseline_file import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    BaselineFileError,
+    compare_baselines,
+    describe_baseline,
+    load_baseline,
+)
+
+
+class _BadInput(Exception):
+    """Anything the user gave that cannot be used: printed as one line, exit status 2."""
+
+
+def verdicts(report: dict[str, Any]) -> dict[str, str]:
+    """A short judgement for each flag that can make a run nondeterministic.
+
+    Examples:
+        >>> verdicts({"cudnn_benchmark": True})["cudnn_benchmark"]
+        'nondeterministic: cuDNN benchmark is on'
+    """
+    out = {}
+    cuda = bool(report.get("cuda_available"))
+    if "deterministic_algorithms" in report:
+        out["deterministic_algorithms"] = (
+            "ok" if report["deterministic_algorithms"] else "nondeterministic: deterministic algorithms are off"
+        )
+    if report.get("cudnn_benchmark"):
+        out["cudnn_benchmark"] = "nondeterministic: cuDNN benchmark is on"
+    elif "cudnn_benchmark" in report:
+        out["cudnn_benchmark"] = "ok"
+    if cuda and not report.get("cudnn_deterministic"):
+        out["cudnn_deterministic"] = "nondeterministic: cuDNN may pick nondeterministic kernels"
+    for key in ("cuda_matmul_allow_tf32", "cudnn_allow_tf32"):
+        if report.get(key) and cuda:
+            out[key] = "differs from float32: TF32 rounds matmul inputs to 10 bits"
+    if cuda and report.get("cublas_workspace_config") not in (":4096:8", ":16:8"):
+        out["cublas_workspace_config"] = "nondeterministic: cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8"
+    if report.get("base_seed") is None and report.get("pl_global_seed") is None:
+        out["base_seed"] = "unseeded: neither set_seed, a deterministic strategy nor seed_everything ran"
+    return out
+
+
+def _print_flags(report: dict[str, Any]) -> None:
+    judged = verdicts(report)
+    width = max(len(key) for key in report)
+    for key, value in report.items():
+        note = judged.get(key, "")
+        print(f"{key:<{width}}  {value!s:<24}  {note}".rstrip())
+    bad = [k for k, v in judged.items() if v != "ok"]
+    print(f"\n{len(bad)} setting(s) to look at" if bad else "\nnothing found that breaks reproducibility")
+
+
+def _unreadable(path: Path, err: Exception) -> _BadInput:
+    """One line for a file ``torch.load(weights_only=True)`` cannot read, instead of torch's page of advice."""
+    from lightning_determinism.checkpoints.file import is_torch_file, load_failure_message
+
+    damaged = load_failure_message(path, err)  # what the plugin's load and the check before a launch say too
+    if damaged is not None:
+        return _BadInput(damaged)
+    expected = "a Lightning checkpoint (.ckpt) or a NumericalBaseline file (.json)"
+    if not is_torch_file(path):
+        return _BadInput(f"{path}: not a checkpoint or baseline file (expected {expected})")
+    lines = [line.strip() for line in str(err).splitlines()]
+    refused = next((line for line in lines if line.startswith("WeightsUnpickler error")), None)
+    first = lines[0] if lines and lines[0] else type(err).__name__  # EOFError has no message
+    why = refused.split(". ")[0] if refused else first[:120]
+    return _BadInput(
+        f"{path}: a torch file that torch.load(weights_only=True) cannot read ({why}); expected {expected}"
+    )
+
+
+def _rng_contents(ranks: list[Any]) -> str:
+    """What the saved RNG entry holds, e.g. ``1 rank(s): python, numpy, torch CPU`` (CUDA only when it was saved)."""
+    states = [entry.get("rng") or {} for entry in ranks if isinstance(entry, dict)]
+    parts = [
+        key if key != "torch" else "torch CPU" for key in ("python", "numpy", "torch") if all(key in s for s in states)
+    ]
+    devices = max((len(s.get("cuda") or []) for s in states), default=0)
+    if devices:
+        parts.append(f"CUDA ({devices} device(s))")
+    streams = sorted({name for s in states for name in (s.get("tracker") or {})})
+    if streams:
+        parts.append(f"tracker streams {streams}")
+    generators = sorted({name for s in states for name in (s.get("generators") or {})})
+    if generators:
+        parts.append(f"generators {generators}")
+    return f"{len(ranks)} rank(s): {', '.join(parts) or 'nothing'}"
+
+
+def describe_checkpoint(path: Path) -> dict[str, Any]:
+    """What a Lightning checkpoint says about the run that wrote it (seeds, world size, position, flags).
+
+    Raises:
+        _BadInput: if the file cannot be read as a checkpoint.
+    """
+    import torch
+
+    from lightning_determinism.checkpoints.file import DamagedCheckpointError
+    from lightning_determinism.checkpoints.integrity import describe_digest, verify_digest
+    from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001  (any unpickling or I/O problem is the file's)
+        raise _unreadable(path, err) from None
+    if not isinstance(checkpoint, dict):
+        raise _BadInput(f"{path}: not a Lightning checkpoint (a {type(checkpoint).__name__}, not a dict)")
+    digest = describe_digest(checkpoint)
+    try:
+        verify_digest(path, checkpoint)  # as the plugin's load says it
+    except DamagedCheckpointError as err:
+        raise _BadInput(str(err)) from None
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    description: dict[str, Any] = {
+        "kind": "Lightning checkpoint",
+        "lightning_version": checkpoint.get("pytorch-lightning_version"),
+        "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+        "parameters": len(checkpoint.get("state_dict", {})),
+        "optimizers": len(checkpoint.get("optimizer_states", [])),
+        "lr_schedulers": len(checkpoint.get("lr_schedulers", [])),
+        "digest": digest,
+    }
+    if not isinstance(saved, dict):
+        description["rng_state"] = "none (written without RNGStateCheckpoint: a resume is not bitwise)"
+        return description
+    ranks = saved.get("ranks") or []
+    description.update(
+        {
+            "world_size": saved.get("world_size"),
+            "base_seed": saved.get("base_seed"),
+            "rng_state": _rng_contents(ranks),
+            "loader_generators": sorted((ranks[0].get("loaders") or {}) if ranks else {}),
+            "report": saved.get("report"),
+        }
+    )
+    return description
+
+
+def describe_distributed_checkpoint(path: Path) -> dict[str, Any]:
+    """What a Lightning distributed checkpoint directory (``ModelParallelStrategy``, FSDP) holds.
+
+    Rank 0's ``meta.pt`` (the RNG states of every rank, the loops, the report) lies beside the shard files of the
+    weights and optimizer states.
+
+    Raises:
+        _BadInput: if ``meta.pt`` cannot be read as a checkpoint.
+    """
+    description = describe_checkpoint(path / "meta.pt")
+    description["kind"] = "Lightning distributed checkpoint (a directory: rank 0's meta.pt and the shards)"
+    description.pop("parameters", None)  # the weights are in the shards, not in meta.pt
+    description.pop("optimizers", None)
+    description["shard_files"] = len(list(path.glob("*.distcp")))
+    return description
+
+
+def _report(args: argparse.Namespace) -> int:
+    if args.path is None:
+        from lightning_determinism.seeding.backends import determinism_report
+
+        report = determinism_report()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_flags(report)
+        return 0
+    path = Path(args.path)
+    if path.is_dir() and (path / "meta.pt").is_file():
+        description = describe_distributed_checkpoint(path)
+    elif path.is_dir():
+        raise _BadInput(f"{path}: is a directory, not a checkpoint or baseline file")
+    elif not path.is_file():
+        raise _BadInput(f"{path}: no such file")
+    else:
+        description = describe_baseline(load_baseline(path)) if path.suffix == ".json" else describe_checkpoint(path)
+    if args.json:
+        print(json.dumps(description, indent=2))
+        return 0
+    recorded = description.pop("report", None)
+    print(f"{path}: {description.pop('kind')}")
+    width = max(len(key) for key in description)
+    for key, value in description.items():
+        print(f"  {key:<{width}}  {value}")
+    if recorded:
+        print("\nrecorded when it was written:")
+        _print_flags(recorded)
+    else:
+        print("\nno determinism report recorded (written by an older version or without the package)")
+    return 0
+
+
+def _format_diff(value: float) -> str:
+    return f"{value:>12.3e}" if math.isfinite(value) else f"{value!s:>12}"
+
+
+def _loss_column(values: list[Any], width: int = 14) -> list[str]:
+    """The losses of both runs in one notation and precision, right-aligned, so that their digits line up.
+
+    Fixed-point with the decimals that give the largest value 9 significant digits, or scientific notation when the
+    values span too many orders of magnitude for that.
+
+    Examples:
+        >>> _loss_column([0.6931471805599453, 12.5, float("nan")], width=12)
+        ['   0.6931472', '  12.5000000', '         nan']
+        >>> _loss_column([2.5e-07, 1.0], width=12)
+        ['2.50000000e-07', '1.00000000e+00']
+    """
+    finite = [abs(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    largest = max(finite, default=0.0)
+    smallest = min((v for v in finite if v), default=1.0)
+    if largest < 1e7 and smallest >= 1e-3:
+        spec = f".{max(9 - len(str(int(largest))), 1)}f"
+    else:
+        spec = ".8e"
+    texts = [format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else str(v) for v in values]
+    width = max([width, *(len(t) for t in texts)])
+    return [f"{t:>{width}}" for t in texts]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    if args.plot:
+        from lightning_determinism.divergence._compare_plot import PlotError, check_plot_path
+
+        try:
+            check_plot_path(args.plot)  # before any work: a bad path must not cost a comparison
+        except PlotError as err:
+            raise _BadInput(str(err)) from None
+    rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
+    atol = DEFAULT_ATOL if args.atol is None else args.atol
+    first_file, second_file = load_baseline(args.a), load_baseline(args.b)
+    result = compare_baselines(first_file, second_file, rtol, atol, args.nonfinite_equal)
+    rows = result["rows"]
+    losses = _loss_column([row["loss_a"] for row in rows] + [row["loss_b"] for row in rows])
+    width = len(losses[0]) if losses else 14
+    diffs = f"{'max abs diff':>12}  {'max rel diff':>12}"
+    print(f"{'step':>4}  {'loss A':>{width}}  {'loss B':>{width}}  {diffs}  bitwise params")
+    for row, loss_a, loss_b in zip(rows, losses[: len(rows)], losses[len(rows) :], strict=True):
+        print(
+            f"{row['step']:>4}  {loss_a}  {loss_b}  {_format_diff(row['max_abs'])}"
+            f"  {_format_diff(row['max_rel'])}  {'yes' if row['bitwise_params'] else 'no'}"
+        )
+    for entry in result["nonfinite"]:
+        print(f"non-finite: step {entry['step']}, {entry['name']}: {entry['a']!r} in A, {entry['b']!r} in B")
+    if args.plot:
+        from lightning_determinism.divergence._compare_plot import draw
+
+        draw(result, args.a, args.b, args.plot, rtol, atol)
+        print(f"plot written to {args.plot}")
+    first = result["first"]
+    tolerance = f"rtol={rtol:g}, atol={atol:g}"
+    if first is None:
+        identical = all(r["max_abs"] == 0.0 and r["bitwise_params"] for r in result["rows"])
+        steps = len(result["rows"])
+        if identical and not result["nonfinite"]:
+            print(f"bitwise identical: {steps} steps, {result['compared']} quantities")
+        else:
+            print(f"equal within {tolerance}: {steps} steps, {result['compared']} quantities")
+        return 0
+    why = (
+        f"difference {first['diff']:.3e}; {tolerance}"
+        if math.isfinite(first["diff"])
+        else "a non-finite value is never equal; --nonfinite-equal accepts identical ones"
+    )
+    print(f"first divergence: step {first['step']}, {first['name']}: {first['a']!r} vs {first['b']!r} ({why})")
+    return 1
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from lightning_determinism.divergence.diagnosis.diagnose import diagnose, format_diagnosis
+
+    result = diagnose(args.a, args.b)
+    print(json.dumps(result, indent=2) if args.json else format_diagnosis(result))
+    return 0 if result["verdict"] == "same" else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Do the work of a parsed command line (see ``build_parser``); returns the exit status.
+
+    Bad input found while working (a missing or unreadable file, a plot path that cannot be written) is printed as
+    one line on stderr and returns 2.
+    """
+    from lightning_determinism.divergence.diagnosis.probe_file import ProbeFileError
+
+    command = {"report": _report, "compare": _compare, "diagnose": _diagnose}[args.command]
+    try:
+        return int(command(args))
+    except (_BadInput, BaselineFileError, ProbeFileError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["PROG", "build_parser", "describe_checkpoint", "main", "run", "verdicts"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Checks of a deterministic strategy's arguments that need no rank: at construction and before the launch.
+
+A misspelt keyword (``sed=42``) would otherwise travel through Lightning's strategy into the module wrapper (DDP,
+FSDP) and fail at ``fit`` in every rank, and a seed or topology that does not fit the world size would be refused only
+once each rank exists, as one traceback per rank. Everything that can be checked from the constructor's arguments or
+from the Trainer's devices and nodes is checked here, in the main process, once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
+
+from lightning_determinism.seeding.seeds import check_seed
+
+_FORWARDED_TO = {
+    # Lightning strategy class name -> the wrapper its **kwargs are forwarded to (module path, class name)
+    "DDPStrategy": ("torch.nn.parallel", "DistributedDataParallel"),
+    "FSDPStrategy": ("torch.distributed.fsdp", "FullyShardedDataParallel"),
+}
+
+
+def _parameters(function: Any) -> tuple[set[str], bool]:
+    """Named parameters of ``function`` (not ``self`` or ``*args``) and whether it takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return set(), True
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+    return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def accepted_keywords(cls: type, mixin: type) -> set[str] | None:
+    """The keywords ``cls`` (a strategy with ``mixin`` in front) accepts; ``None`` when they cannot be known.
+
+    The mixin's own, the Lightning strategy's, and, where the strategy forwards the rest to a wrapper it names
+    (``DDPStrategy`` to ``DistributedDataParallel``, ``FSDPStrategy`` to ``FullyShardedDataParallel``), the wrapper's.
+
+    Examples:
+        >>> from lightning_determinism.strategies.trainer import DeterministicDDPStrategy, DeterministicStrategyMixin
+        >>> names = accepted_keywords(DeterministicDDPStrategy, DeterministicStrategyMixin)
+        >>> {"seed", "start_method", "find_unused_parameters"} <= names, "sed" in names
+        (True, False)
+    """
+    names, _ = _parameters(vars(mixin)["__init__"])
+    strategy = next((base for base in cls.__mro__ if not issubclass(base, mixin) and "__init__" in vars(base)), None)
+    if strategy is None:
+        return None
+    own, forwards = _parameters(strategy.__init__)
+    names |= own
+    if not forwards:
+        return names
+    target = next((_FORWARDED_TO[base.__name__] for base in strategy.__mro__ if base.__name__ in _FORWARDED_TO), None)
+    if target is None:
+        return None  # forwarded somewhere we do not know: let the strategy judge
+    module = __import__(target[0], fromlist=[target[1]])
+    wrapper, more = _parameters(getattr(module, target[1]).__init__)
+    return None if more else names | (wrapper - {"module"})
+
+
+def check_keywords(cls: type, mixin: type, kwargs: dict[str, Any]) -> None:
+    """Refuse keywords that neither the mixin, the strategy nor its wrapper accepts, listing the accepted ones.
+
+    Raises:
+        TypeError: naming the unknown keywords and the accepted ones.
+    """
+    accepted = accepted_keywords(cls, mixin)
+    unknown = sorted(set(kwargs) - accepted) if accepted is not None else []
+    if unknown:
+        listed = ", ".join(repr(name) for name in unknown)
+        close = [match for name in unknown for match in difflib.get_close_matches(name, accepted, n=1)]  # type: ignore[arg-type]
+        hint = f" (did you mean {', '.join(repr(name) for name in close)}?)" if close else ""
+        raise TypeError(
+            f"{cls.__name__} got unexpected keyword argument(s) {listed}{hint}; it accepts:"
+            f" {', '.join(sorted(accepted))}"  # type: ignore[arg-type]
+        )
+
+
+def check_planned_world(steps: Any, world_size: int) -> None:
+    """The seed and the topology degrees against the world size the Trainer will launch (``steps``: SeedingSteps).
+
+    Raises:
+        ValueError: for a ``seed`` whose ``seed + rank`` leaves the seed range, or degrees that do not multiply to
+            ``world_size``, naming the argument.
+    """
+    if steps.seed is not None:
+        check_seed(steps.seed, world_size)
+    spec = steps.topology_spec
+    if isinstance(spec, dict):
+        from lightning_determinism.parallel.topology import Topology
+
+        try:
+            Topology(0, world_size, **spec)
+        except ValueError as error:
+            raise ValueError(
+                f"`topology={spec}` does not fit the {world_size} processes that will be launched: {error}"
+            ) from None
+
+
+__all__ = ["accepted_keywords", "check_keywords", "check_planned_world"]

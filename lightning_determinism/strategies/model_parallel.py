@@ -1,0 +1,93 @@
+"""``model_parallel_deterministic``: Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) made reproducible.
+
+Lightning's ``ModelParallelStrategy`` builds a ``("data_parallel", "tensor_parallel")`` device mesh, the model is
+parallelised in ``configure_model`` (``parallelize_module``, ``fully_shard``) and it runs on CPU with gloo as on
+GPUs. Seeding every rank alike (Lightning's ``seed_everything``) gives every data-parallel rank the same dropout
+masks; seeding ``base + rank`` gives tensor-parallel peers other masks on replicated activations, and the replicated
+parameters drift apart. This strategy seeds by the mesh (:mod:`~lightning_determinism.parallel.mesh`): the model is
+built under the base seed on every rank; the default streams are shared by tensor-parallel peers and distinct across
+data-parallel ranks; ``get_rng_tracker().fork()`` gives every (data-parallel, tensor-parallel) coordinate its own
+stream for draws on a shard; every rank computes with the same number of intra-op threads. Checkpoints (Lightning's
+distributed checkpoint directories) carry every rank's RNG state and data position, restored on resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from typing_extensions import override
+
+from lightning_determinism._compat.checks import MultiProcessingLauncher, module_trainer
+from lightning_determinism.callbacks.replica_guard import ReplicaGuard
+from lightning_determinism.strategies.launchers import replace_launcher
+from lightning_determinism.strategies.trainer import DeterministicStrategyMixin
+
+START_METHODS = ("popen", "fork", "spawn")
+
+
+class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with seeding by the device mesh and deterministic backends.
+
+    Registered as ``model_parallel_deterministic``. Takes every argument of ``ModelParallelStrategy``
+    (``data_parallel_size``, ``tensor_parallel_size``, ``save_distributed_checkpoint``, ...) plus ``seed`` and
+    ``debug_mode`` (see :class:`~lightning_determinism.DeterministicStrategyMixin`), and ``start_method``.
+
+    Args:
+        args: passed on to ``ModelParallelStrategy``.
+        start_method: ``"popen"`` (Lightning's own launcher: the script runs again in each rank, the choice for
+            scripts), ``"fork"`` (notebooks, tests: ranks forked from the calling process) or ``"spawn"``.
+        kwargs: passed on to the mixin and ``ModelParallelStrategy``.
+
+    Raises:
+        ValueError: for an unknown ``start_method``.
+
+    Examples:
+        >>> strategy = DeterministicModelParallelStrategy(seed=3, tensor_parallel_size=2, start_method="fork")
+        >>> strategy.seed, strategy.start_method
+        (3, 'fork')
+    """
+
+    def __init__(self, *args: Any, start_method: str = "popen", **kwargs: Any) -> None:
+        if start_method not in START_METHODS:
+            raise ValueError(f"`start_method` must be one of {START_METHODS}, got {start_method!r}")
+        self.start_method = start_method
+        self._ldet_weights_stay_in_ranks = True  # sharded weights are not sent back to a fork/spawn main process
+        super().__init__(*args, **kwargs)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = module_trainer(self.lightning_module)
+        if trainer is not None and not any(isinstance(cb, ReplicaGuard) for cb in trainer.callbacks):
+            trainer.callbacks.append(ReplicaGuard())
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        environment = self.cluster_environment
+        if self.start_method != "popen" and environment is not None and not environment.creates_processes_externally:
+            launcher = MultiProcessingLauncher(self, start_method=self.start_method)  # type: ignore[arg-type]
+            self._launcher = replace_launcher(launcher, self)
+
+
+def register_model_parallel_strategy() -> list[str]:
+    """Register ``model_parallel_deterministic`` in Lightning's ``StrategyRegistry``; safe to call again.
+
+    Returns:
+        The registered names.
+
+    Examples:
+        >>> register_model_parallel_strategy()
+        ['model_parallel_deterministic']
+    """
+    StrategyRegistry.register(
+        "model_parallel_deterministic",
+        DeterministicModelParallelStrategy,
+        description="DeterministicModelParallelStrategy (FSDP2 + tensor parallel, seeded by the device mesh)",
+        override=True,
+    )
+    return ["model_parallel_deterministic"]
+
+
+__all__ = ["START_METHODS", "DeterministicModelParallelStrategy", "register_model_parallel_strategy"]

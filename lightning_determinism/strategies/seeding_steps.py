@@ -1,0 +1,226 @@
+"""The seeding contract's steps, shared by the Trainer strategies and the Fabric strategies.
+
+Both families act at the same two moments of their life cycle, with the same effects:
+
+1. :meth:`SeedingSteps.ranks_known` — ranks and the process group exist (the end of ``setup_environment``): agree on
+   the base seed (given, ``PL_GLOBAL_SEED``, or drawn on rank 0 and broadcast), export it as ``PL_GLOBAL_SEED``, set
+   the backend flags and seed every rank with the *base* seed, so models built next are identical on every rank
+   and identical to a one-process run;
+2. :meth:`SeedingSteps.model_built` — the model exists: seed every rank with ``base + rank`` (or the topology's
+   streams), so training-time draws differ between ranks, reproducibly.
+
+:class:`SeedingSteps` also remembers the environment variables it sets, and puts them back with
+:meth:`SeedingSteps.restore_env` at teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message, rank_zero_info
+
+from lightning_determinism.parallel.topology import Topology, model_parallel_seed, stream_seeds
+from lightning_determinism.seeding.backends import (
+    configure_determinism,
+    debug_mode_name,
+    normalize_debug_mode,
+    set_cublas_workspace,
+)
+from lightning_determinism.seeding.seeds import (
+    BASE_SEED_ENV,
+    LOCAL_SEED_ENV,
+    _record_seeds,
+    broadcast_seed,
+    check_seed,
+    resolve_base_seed,
+    seed_all,
+)
+
+log = logging.getLogger("lightning_determinism.strategies.trainer")
+
+CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+SEED_ENV = ("PL_GLOBAL_SEED", BASE_SEED_ENV, LOCAL_SEED_ENV)
+
+
+def _world_of(degrees: dict[str, Any]) -> int:
+    """The world size a dict of degrees implies, with ``dp_degree`` missing taken as 1 (validation only)."""
+    world = 1
+    for key in ("dp_degree", "pp_degree", "sharding_degree", "sep_degree", "mp_degree"):
+        value = degrees.get(key, 1)
+        world *= value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+    return world
+
+
+class SeedingSteps:
+    """One strategy's seeding: its arguments, checked now, and the two steps of the contract.
+
+    Args:
+        seed: base seed, or ``None`` (``PL_GLOBAL_SEED`` when set, else drawn on rank 0 and broadcast).
+        debug_mode: backend flags, as in :func:`~lightning_determinism.configure_determinism`.
+        topology: model-parallel degrees (a dict) or a :class:`~lightning_determinism.parallel.topology.Topology`.
+
+    Raises:
+        TypeError, ValueError: for a bad seed, debug mode or topology, naming the argument.
+
+    Examples:
+        >>> steps = SeedingSteps(seed=7, debug_mode="warn")
+        >>> steps.seed, steps.debug_mode, steps.base_seed
+        (7, 1, None)
+    """
+
+    def __init__(self, seed: int | None = None, debug_mode: Any = "error", topology: Any = None) -> None:
+        self.seed = None if seed is None else check_seed(seed)
+        self.debug_mode = normalize_debug_mode(debug_mode)
+        if topology is not None and not isinstance(topology, (Topology, dict)):
+            raise TypeError(f"`topology` must be a Topology, a dict of degrees or None, got {type(topology).__name__}")
+        if isinstance(topology, dict):
+            Topology(0, _world_of(topology), **topology)  # validate the degrees now, not after launching
+        self.topology_spec = topology
+        self.topology: Topology | None = topology if isinstance(topology, Topology) else None
+        self.distinct_data_parallel = False  # the tracker's stream: set by the model-parallel strategies (mesh rule)
+        self.base_seed: int | None = None
+        self.local_seed: int | None = None
+        self._source = ""
+        # What this process's environment held before the strategy touched it; restore_env() puts it back.
+        self.saved_env: dict[str, str | None] = {CUBLAS_ENV: os.environ.get(CUBLAS_ENV)}
+        if self.debug_mode in (1, 2):
+            # cuBLAS reads this when its first handle is created; Lightning initialises CUDA before
+            # setup_environment, so set it now (child processes inherit it) rather than warn there.
+            set_cublas_workspace()
+
+    @property
+    def debug_mode_name(self) -> str:
+        """The debug mode as a name (``"error"``, ``"warn"``, ``"default"``, ``"none"``)."""
+        return debug_mode_name(self.debug_mode)
+
+    def ranks_known(self, rank: int, world_size: int, before_log: Any = None, announce: bool = True) -> int:
+        """Step 1: agree on the base seed, set the flags, seed every rank with the base seed; returns it.
+
+        ``before_log`` (a callable) runs after seeding and before the seed lines are printed; with
+        ``announce=False`` they are printed by a later :meth:`announce`.
+        """
+        for key in (*SEED_ENV, CUBLAS_ENV):
+            self.saved_env.setdefault(key, os.environ.get(key))
+        if self.seed is not None:
+            source = "given to the strategy"
+        elif os.environ.get("PL_GLOBAL_SEED") is not None:
+            source = "taken from PL_GLOBAL_SEED (seed_everything)"
+        else:
+            source = "drawn on rank 0: pass seed=<it> to the strategy to repeat this run"
+        base = resolve_base_seed(self.seed, rank, world_size, use_pl_global_seed=True)
+        spec = self.topology_spec
+        if isinstance(spec, dict):
+            self.topology = Topology(rank, world_size, **spec)
+        elif isinstance(spec, Topology) and (spec.rank, spec.world_size) != (rank, world_size):
+            raise ValueError(
+                f"[rank: {rank}] `topology` was built for rank {spec.rank} of {spec.world_size}, but this process is"
+                f" rank {rank} of {world_size}; pass the degrees as a dict to build it on every rank"
+            )
+        configure_determinism(self.debug_mode)  # type: ignore[arg-type]
+        self._adopt(base, rank)
+        self._source = source
+        if before_log is not None:
+            before_log()
+        if announce:
+            self.announce(rank)
+        return base
+
+    def adopt_later_seed(self, rank: int, world_size: int) -> bool:
+        """Take a ``seed_everything(s)`` called after the ranks were known (Fabric: after ``launch()``) as the base.
+
+        Collective when ``PL_GLOBAL_SEED`` changed on any rank; rank 0's value is broadcast. Returns whether the
+        base seed changed.
+        """
+        env = os.environ.get("PL_GLOBAL_SEED")
+        if self.seed is not None or self.base_seed is None or env is None or int(env) == self.base_seed:
+            return False
+        base = broadcast_seed(check_seed(int(env), world_size, name="PL_GLOBAL_SEED")) if world_size > 1 else int(env)
+        self._adopt(base, rank, reseed=False)
+        self._source = "taken from seed_everything, called after the processes were launched"
+        return True
+
+    def _adopt(self, base: int, rank: int, reseed: bool = True) -> None:
+        self.base_seed = base
+        self.local_seed = stream_seeds(base, self.topology)["default"] if self.topology else base + rank
+        os.environ["PL_GLOBAL_SEED"] = str(base)
+        if reseed:
+            # The base seed, not the offset one, until the model exists: initialisation must agree across ranks.
+            seed_all(base)
+        _record_seeds(base, base)
+
+    def announce(self, rank: int) -> None:
+        """Print the agreed seed once (rank 0) and each rank's seeds (the package's logger)."""
+        # Once, where Lightning prints "Seed set to ...": enough to reproduce an unseeded run from its log.
+        rank_zero_info(f"Seed set to {self.base_seed} by lightning_determinism ({self._source})")
+        log.info(
+            rank_prefixed_message(
+                f"lightning_determinism: base seed {self.base_seed}, local seed {self.local_seed},"
+                f" debug_mode={self.debug_mode_name}",
+                rank,
+            )
+        )
+
+    def model_built(self, rank: int) -> None:
+        """Step 2: seed this rank's training-time streams (``base + rank``, or the topology's)."""
+        if self.base_seed is None:
+            raise RuntimeError("the base seed is unknown: the strategy's setup_environment() has not run")
+        if self.topology is not None:
+            model_parallel_seed(self.base_seed, self.topology, distinct_data_parallel=self.distinct_data_parallel)
+        else:
+            local = self.base_seed + rank
+            seed_all(local)
+            _record_seeds(self.base_seed, local)
+
+    def restore_env(self) -> None:
+        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace).
+
+        Set during the run, they reach data-loader workers and child processes; left behind, a drawn seed would
+        turn Lightning's ``reset_seed()`` (a no-op without ``seed_everything``) into a reseed and be silently
+        reused by a later ``seed_everything()``.
+        """
+        saved, self.saved_env = self.saved_env, {}
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class SeedingProperties:
+    """What the deterministic strategies (Trainer and Fabric) show of their :class:`SeedingSteps`."""
+
+    _ldet_steps: SeedingSteps
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the user passed (``None`` if it is to be taken from ``PL_GLOBAL_SEED`` or drawn)."""
+        return self._ldet_steps.seed
+
+    @property
+    def debug_mode(self) -> str:
+        """The debug mode as a name: ``"None"``, ``"default"``, ``"warn"`` or ``"error"``."""
+        return self._ldet_steps.debug_mode_name
+
+    @property
+    def base_seed(self) -> int | None:
+        """The base seed all ranks agreed on; ``None`` until the ranks are known (set up / ``launch()``)."""
+        return self._ldet_steps.base_seed
+
+    @property
+    def local_seed(self) -> int | None:
+        """The seed of this rank's training-time streams.
+
+        ``base_seed + global_rank``, or with a topology the ``default`` seed of
+        :func:`~lightning_determinism.parallel.topology.stream_seeds`; ``None`` until the ranks are known.
+        """
+        return self._ldet_steps.local_seed
+
+    @property
+    def topology(self) -> Topology | None:
+        """The parallel topology of this rank (built from the degrees given once ranks are known), or ``None``."""
+        return self._ldet_steps.topology
+
+
+__all__ = ["CUBLAS_ENV", "SEED_ENV", "SeedingProperties", "SeedingSteps"]

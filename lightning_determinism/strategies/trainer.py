@@ -1,0 +1,364 @@
+"""Deterministic Lightning strategies: rank-offset seeding and deterministic backends at the right moment.
+
+Lightning's ``DDPStrategy.setup_distributed`` calls ``reset_seed()``, which reseeds every rank with the same
+``PL_GLOBAL_SEED``; anything seeded before ``setup_environment`` is undone there. The mixin therefore acts in
+two steps, both after Lightning's own:
+
+1. at the end of ``setup_environment`` (ranks and the process group exist): agree on the base seed, export it
+   as ``PL_GLOBAL_SEED`` (so the injected ``DistributedSampler`` shuffles alike on every rank), set the backend
+   flags and seed every rank with the *base* seed, so ``setup``/``configure_model`` build identical weights;
+2. at the end of ``setup`` (the model is wrapped and synchronised): seed every rank with ``base + global_rank``,
+   so dropout masks and other training-time draws differ between ranks, reproducibly.
+
+Validation and test loaders also get a sampler that counts every sample once (no padding with repeats), so a
+distributed metric over an evaluation set equals the single-process value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage
+from typing_extensions import override
+
+from lightning_determinism._compat.checks import (
+    accelerator_connector,
+    ddp_comm_hook,
+    device_mesh_of,
+    module_trainer,
+    set_sampler_epoch,
+    swap_launcher,
+)
+from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
+from lightning_determinism.data.positions import next_train_epoch
+from lightning_determinism.data.resumable import make_fork_safe, make_resumable
+from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
+from lightning_determinism.invariance.invariant import InvariantTraining, describe, keep_local_gradients
+from lightning_determinism.invariance.tree import PairwiseAllReduce
+from lightning_determinism.parallel.mesh import follow_mesh
+from lightning_determinism.parallel.topology import Topology
+from lightning_determinism.seeding.isolation import EvaluationIsolation
+from lightning_determinism.strategies.arguments import check_keywords, check_planned_world
+from lightning_determinism.strategies.launchers import (
+    adopt_parent_from_env,
+    destroy_gloo_group_at_exit,
+    replace_launcher,
+)
+from lightning_determinism.strategies.seeding_steps import SeedingProperties, SeedingSteps
+
+
+class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
+    """Adds rank-offset seeding and deterministic backends to a Lightning strategy.
+
+    Mix it in *before* the strategy class: ``class MyStrategy(DeterministicStrategyMixin, DDPStrategy)``. Checkpoints
+    are written atomically where they live (:class:`~lightning_determinism.checkpoints.io.AtomicCheckpointIO`) unless
+    the strategy is given a ``CheckpointIO`` of the user's own.
+
+    Args:
+        seed: base seed. ``None`` takes ``PL_GLOBAL_SEED`` (set by ``seed_everything``) when present, else rank 0
+            draws one from OS entropy; either way rank 0's choice is broadcast so all ranks agree.
+        debug_mode: backend flags, as in :func:`~lightning_determinism.configure_determinism`; ``None`` leaves
+            every flag as it is.
+        topology: for model parallelism, the degrees as a dict (``{"mp_degree": 2, ...}``, the keyword arguments of
+            :class:`~lightning_determinism.parallel.topology.Topology` but rank and world size) or a ``Topology``. With
+            one, training-time streams come from :func:`~lightning_determinism.parallel.topology.model_parallel_seed`
+            (identical across tensor-parallel peers, distinct across data-parallel replicas and pipeline stages) instead
+            of ``base + global_rank``, and the tracker's ``"model-parallel-rng"`` stream is set up.
+        global_batch_size: ``B``, samples per optimizer step over all processes; with ``micro_batch_size`` it turns on
+            world-size-invariant training (the same bits on 1, 2, 4, ... processes; see docs/invariance.md).
+        micro_batch_size: ``m``, samples per forward/backward pass: the training loader's ``batch_size``.
+        invariant_threads: intra-op threads per process in the invariant mode (pinned; default 1).
+        args: passed on to the strategy.
+        kwargs: passed on to the strategy.
+
+    Raises:
+        TypeError: if ``seed`` is not an integer.
+        ValueError: if ``seed`` is outside ``[0, 2**32 - 1]``, ``debug_mode`` is not an accepted value, or the
+            invariant mode's arguments do not fit (see
+            :class:`~lightning_determinism.invariance.invariant.InvariantTraining`).
+
+    Examples:
+        >>> strategy = DeterministicDDPStrategy(seed=42, debug_mode="warn")
+        >>> strategy.seed, strategy.debug_mode
+        (42, 'warn')
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        seed: int | None = None,
+        debug_mode: Any = "error",
+        topology: Topology | dict[str, Any] | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        invariant_threads: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        check_keywords(type(self), DeterministicStrategyMixin, kwargs)
+        self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
+        self.invariant: InvariantTraining | None = None
+        if global_batch_size is not None or micro_batch_size is not None:
+            if global_batch_size is None or micro_batch_size is None:
+                raise ValueError(
+                    "world-size-invariant training needs both `global_batch_size` and `micro_batch_size`, got"
+                    f" global_batch_size={global_batch_size!r}, micro_batch_size={micro_batch_size!r}"
+                )
+            if self._ldet_steps.debug_mode not in (1, 2):
+                raise ValueError(
+                    "world-size-invariant training needs deterministic kernels: `debug_mode` must be 'warn' or"
+                    f" 'error', got {debug_mode!r}"
+                )
+            if topology is not None:
+                raise ValueError("world-size-invariant training is data-parallel only: pass no `topology`")
+            self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
+        self._ldet_eval_guard = UnevenEvalGuard()
+        self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
+        self._ldet_isolation = EvaluationIsolation(self._ldet_steps)  # evaluation never moves training's streams
+        super().__init__(*args, **kwargs)
+
+    # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
+    @override
+    def _configure_launcher(self) -> None:  # type: ignore[misc]
+        super()._configure_launcher()  # type: ignore[misc]
+        swap_launcher(self, lambda launcher: replace_launcher(launcher, self))
+        # In the main process, before any rank exists: refused once, not per rank.
+        check_planned_world(self._ldet_steps, self._ldet_planned_world_size())
+        if self.invariant is not None:
+            self.invariant.check_world_size(self._ldet_planned_world_size())
+
+    def _ldet_planned_world_size(self) -> int:
+        devices = getattr(self, "parallel_devices", None)
+        return int(getattr(self, "num_nodes", 1)) * (len(devices) if devices else 1)
+
+    def check_before_launch(self, trainer: pl.Trainer, module: Any) -> None:
+        """The invariant mode's checks that the main process can make before the launcher starts the ranks.
+
+        Called by the package's launchers before they start the ranks; a refusal is then one error in one process
+        instead of a traceback from every rank. ``setup`` checks again inside each rank (torchrun, single device).
+        """
+        if self.invariant is not None and trainer.state.fn == "fit" and module is not None:
+            world_size = self._ldet_planned_world_size()
+            self.invariant.check_before_launch(world_size, trainer.accumulate_grad_batches, module)
+
+    @override
+    def setup_environment(self) -> None:  # type: ignore[misc]
+        adopt_parent_from_env()  # a popen child script: die with the rank-0 process that started it
+        super().setup_environment()  # type: ignore[misc]
+        destroy_gloo_group_at_exit()
+        self._add_rng_checkpoint()
+        self._ldet_padding_warning.install()
+        rank: int = self.global_rank  # type: ignore[attr-defined]
+        world_size: int = self.world_size  # type: ignore[attr-defined]
+        invariant = self.invariant
+
+        def describe_invariant() -> None:
+            if invariant is not None:
+                invariant.setup_environment(rank, world_size, self._ldet_steps.base_seed)  # type: ignore[arg-type]
+                rank_zero_info(describe(invariant.global_batch_size, invariant.micro_batch_size, world_size,
+                                        invariant.threads))  # fmt: skip
+
+        self._ldet_follow_mesh(rank, world_size)
+        self._ldet_steps.ranks_known(rank, world_size, before_log=describe_invariant)
+
+    def _ldet_follow_mesh(self, rank: int, world_size: int) -> None:
+        """On a strategy with a device mesh (``ModelParallelStrategy``): the mesh's seeding rule, equal threads.
+
+        Without it, ``base + rank`` would give tensor-parallel peers other dropout masks on replicated activations
+        and their replicated parameters would drift apart (see :mod:`~lightning_determinism.parallel.mesh`).
+        """
+        mesh = device_mesh_of(self)
+        if mesh is not None:
+            follow_mesh(self._ldet_steps, mesh, rank, world_size)
+
+    def _add_rng_checkpoint(self) -> None:
+        """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""
+        from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
+
+        trainer = module_trainer(getattr(self, "lightning_module", None))
+        if trainer is not None and not any(isinstance(cb, RNGStateCheckpoint) for cb in trainer.callbacks):
+            trainer.callbacks.append(RNGStateCheckpoint())
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]
+        if self._ldet_steps.base_seed is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.setup() ran before setup_environment(): the base seed is unknown. Let the"
+                " Trainer call both, in that order."
+            )
+        if self.invariant is not None:
+            self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
+            self.invariant.check_module(trainer.lightning_module)
+        super().setup(trainer)  # type: ignore[misc]
+        self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]
+        self._ldet_isolation.attach(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        if self.invariant is not None:  # randomness follows the micro-batch, not the rank
+            self.invariant.before_micro_batch(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        result = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+        if self.invariant is not None:
+            module = self.lightning_module  # type: ignore[attr-defined]
+            parameters = [p for p in module.parameters() if p.requires_grad]
+            self.invariant.after_backward(parameters, module.trainer.global_step)
+        return result
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        # Lightning's `self.log(..., sync_dist=True)` reduces through here.
+        module = getattr(self, "lightning_module", None)
+        self._ldet_eval_guard.check("self.log(..., on_step=True, sync_dist=True)", trainer_of(module))
+        return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:  # type: ignore[misc]
+        super().teardown()  # type: ignore[misc]
+        self._ldet_steps.restore_env()
+        self._ldet_padding_warning.remove()
+        self._ldet_isolation.detach()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = module_trainer(self.lightning_module)  # type: ignore[attr-defined]
+        if self.invariant is not None and trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            dataloader = self.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+            set_sampler_epoch(dataloader, next_train_epoch(trainer))
+            return make_resumable(dataloader, trainer)
+        if trainer is None:
+            return dataloader
+        evaluating = trainer.state.stage in (
+            RunningStage.VALIDATING,
+            RunningStage.TESTING,
+            RunningStage.SANITY_CHECKING,
+        )
+        if not accelerator_connector(trainer).use_distributed_sampler:
+            # The user manages samplers (a stream that shards itself, a sampler of their own): theirs stay as they
+            # are, but the training loader still resumes at its exact position, and workers still fork safely.
+            if trainer.state.stage == RunningStage.TRAINING:
+                set_sampler_epoch(dataloader, next_train_epoch(trainer))
+                return make_resumable(dataloader, trainer)
+            return make_fork_safe(dataloader, trainer) if evaluating else dataloader
+        if evaluating:
+            # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
+            dataloader = unpad_eval_dataloader(dataloader)
+            self._ldet_eval_guard.watch(dataloader, self.lightning_module)  # type: ignore[attr-defined]
+            return make_fork_safe(dataloader, trainer)
+        if trainer.state.stage == RunningStage.TRAINING:
+            # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
+            # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
+            set_sampler_epoch(dataloader, next_train_epoch(trainer))
+            # Mid-epoch resume at the index level (see lightning_determinism.data.resumable).
+            dataloader = make_resumable(dataloader, trainer)
+        return dataloader
+
+
+class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` with deterministic seeding and backends.
+
+    Registered as ``ddp_deterministic`` (popen), ``ddp_spawn_deterministic``, ``ddp_fork_deterministic`` and
+    ``ddp_notebook_deterministic``. All ``DDPStrategy`` arguments are accepted. Ranks exit cleanly under gloo, die
+    with the process that started them, and forked ranks do not hang in OpenMP (see
+    :mod:`~lightning_determinism.strategies.launchers`).
+
+    Examples:
+        >>> DeterministicDDPStrategy(seed=1, start_method="fork").base_seed is None  # known once set up
+        True
+    """
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self.invariant is None:
+            super()._register_ddp_hooks()
+            if self.world_size > 2 and ddp_comm_hook(self) is None:
+                # Sums that do not depend on DDP's bucket layout, which a resumed run rebuilds (see the hook).
+                hook = PairwiseAllReduce(self.world_size, self.global_rank)
+                self.model.register_comm_hook(None, hook.reduce)  # type: ignore[union-attr,operator]
+            return
+        # The invariant mode sums gradients itself, over a fixed tree: DDP's float all-reduce must not run. Its
+        # reducer is switched off for every micro-batch (as `no_sync` does for all but the last one): it would copy
+        # every gradient into its buckets and back for nothing. The hook stays as a guard should anything turn the
+        # reducer on again.
+        self.model.register_comm_hook(None, keep_local_gradients)  # type: ignore[union-attr,operator]
+        self.model.require_backward_grad_sync = False  # type: ignore[union-attr]
+
+
+class DeterministicFSDPStrategy(DeterministicStrategyMixin, FSDPStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.FSDPStrategy` with deterministic seeding and backends.
+
+    Registered as ``fsdp_deterministic``. Lightning's FSDP (FSDP1) runs on CUDA only: a CPU accelerator is refused
+    when the Trainer is built. FSDP2 runs on CPU under Lightning's ``ModelParallelStrategy``.
+
+    Examples:
+        >>> DeterministicFSDPStrategy(seed=3).seed
+        3
+    """
+
+    @override
+    def _configure_launcher(self) -> None:
+        devices = self.parallel_devices or []
+        if any(device.type == "cpu" for device in devices):
+            raise ValueError(
+                f"`strategy=fsdp_deterministic` (Lightning's FSDPStrategy, FSDP1) needs CUDA devices, got"
+                f" {len(devices)} CPU device(s); on a CPU, Lightning's ModelParallelStrategy runs FSDP2"
+            )
+        super()._configure_launcher()
+
+
+class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDeviceStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.SingleDeviceStrategy` with the same seeding contract.
+
+    Lets the same user code run on one device: rank 0's seed is ``base + 0``. Registered as
+    ``single_device_deterministic`` (on the CPU; pass ``device="cuda:0"`` for a GPU).
+
+    Examples:
+        >>> DeterministicSingleDeviceStrategy(seed=5, device="cpu").root_device
+        device(type='cpu')
+    """
+
+
+_REGISTRATIONS: tuple[tuple[str, type, dict[str, Any]], ...] = (
+    ("ddp_deterministic", DeterministicDDPStrategy, {"start_method": "popen"}),
+    ("ddp_spawn_deterministic", DeterministicDDPStrategy, {"start_method": "spawn"}),
+    ("ddp_fork_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
+    ("ddp_notebook_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
+    ("fsdp_deterministic", DeterministicFSDPStrategy, {}),
+    ("single_device_deterministic", DeterministicSingleDeviceStrategy, {"device": "cpu"}),
+)
+
+
+def register_strategies() -> list[str]:
+    """Register the deterministic strategies in Lightning's ``StrategyRegistry``; safe to call again.
+
+    Returns:
+        The registered names.
+
+    Examples:
+        >>> "ddp_deterministic" in register_strategies()
+        True
+    """
+    for name, cls, init_params in _REGISTRATIONS:
+        StrategyRegistry.register(
+            name,
+            cls,
+            description=f"{cls.__name__} {init_params or ''}".strip(),
+            override=True,
+            **init_params,
+        )
+    return [name for name, _, _ in _REGISTRATIONS]
+
+
+__all__ = [
+    "DeterministicDDPStrategy",
+    "DeterministicFSDPStrategy",
+    "DeterministicSingleDeviceStrategy",
+    "DeterministicStrategyMixin",
+    "register_strategies",
+]
