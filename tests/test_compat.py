@@ -20,6 +20,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 import lightning_determinism
+from lightning_determinism._compat import access as _access
 from lightning_determinism._compat import checks as _compat
 from lightning_determinism._compat import data as _compat_data
 from lightning_determinism._compat.checks import PIECES, check_compat
@@ -125,17 +126,17 @@ def test_importing_the_package_fails_with_the_message_when_a_name_is_gone():
 
 def test_an_attribute_missing_at_run_time_is_a_clear_error():
     with pytest.raises(IncompatibleVersionError, match=r"`object\._should_accumulate` \(read at run time\)") as caught:
-        _compat.should_accumulate(SimpleNamespace(fit_loop=object()))
+        _access.should_accumulate(SimpleNamespace(fit_loop=object()))
     assert f"installed lightning {lightning.__version__}" in str(caught.value)
     with pytest.raises(IncompatibleVersionError, match=r"`SimpleNamespace\._accelerator_connector`"):
-        _compat.accelerator_connector(SimpleNamespace())
+        _access.accelerator_connector(SimpleNamespace())
 
 
 def test_the_accessors_read_what_lightning_and_torch_hold():
     from torch.utils.data import DataLoader
 
-    assert _compat.module_trainer(None) is None
-    assert _compat.module_trainer(lightning.LightningModule()) is None
+    assert _access.module_trainer(None) is None
+    assert _access.module_trainer(lightning.LightningModule()) is None
     loader = DataLoader(range(6), batch_size=2)
     assert _compat_data.loader_iterator(loader) is None
     assert _compat_data.base_index_sampler(DataLoader, loader) is loader.batch_sampler
@@ -145,7 +146,7 @@ def test_the_accessors_read_what_lightning_and_torch_hold():
     _compat_data.set_sampler_iter(iterator, iter([[4, 5]]))
     assert next(iterator).tolist() == [4, 5]
     assert _compat_data.worker_processes(iterator) == []
-    assert _compat.fabric_inner_loader(loader) is loader and _compat.fabric_iterations(loader) == 0
+    assert _access.fabric_inner_loader(loader) is loader and _access.fabric_iterations(loader) == 0
 
 
 def _package_sources():
@@ -185,7 +186,7 @@ def test_no_module_but_the_compatibility_module_reaches_a_private_name():
     listed = " ".join(piece.name for piece in PIECES)
     found = {}
     for path, tree in trees.items():
-        if "_compat" in path.parts:  # the compatibility package: checks.py and data.py
+        if "_compat" in path.parts:  # the compatibility package: checks.py, access.py and data.py
             continue
         for name in _private_uses(tree):
             foreign = name.startswith("_") and not name.startswith(("__", "_ldet_")) and name not in own

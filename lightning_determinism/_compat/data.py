@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from lightning_determinism._compat.access import _private
 from lightning_determinism._compat.checks import (
     _BaseDataLoaderIter,
     _MultiProcessingDataLoaderIter,
-    _private,
     _remove_worker_pids,
 )
 from lightning_determinism._compat.checks import worker_module as _worker_module

@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_determinism._compat.checks import default_store, dump_checkpoint
+from lightning_determinism._compat.access import default_store, dump_checkpoint
 
 _WAIT_FOR_RANK_ZERO = timedelta(minutes=10)
 _VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"

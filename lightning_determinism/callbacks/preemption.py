@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import (
+from lightning_determinism._compat.access import (
     accelerator_connector,
     keep_ignored_after_teardown,
     should_accumulate,

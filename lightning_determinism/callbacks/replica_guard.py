@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import device_mesh_of, should_accumulate
+from lightning_determinism._compat.access import device_mesh_of, should_accumulate
 
 TP_DIM = "tensor_parallel"
 

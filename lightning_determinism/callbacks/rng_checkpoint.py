@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import should_accumulate
+from lightning_determinism._compat.access import should_accumulate
 from lightning_determinism.data.positions import (
     consumed_batches,
     loader_positions,

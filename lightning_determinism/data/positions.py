@@ -16,7 +16,7 @@ from typing import Any
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from lightning_determinism._compat.checks import combined_loader, combined_mode
+from lightning_determinism._compat.access import combined_loader, combined_mode
 from lightning_determinism.data.stateful import is_stateful_loader
 from lightning_determinism.data.stream_loader import stream_entry
 from lightning_determinism.errors import DeterminismWarning

@@ -19,7 +19,8 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_determinism._compat.checks import module_trainer, trainer_results, update_dataloader, wrapped_sampler
+from lightning_determinism._compat.access import module_trainer, trainer_results, wrapped_sampler
+from lightning_determinism._compat.checks import update_dataloader
 from lightning_determinism.seeding.isolation import current_evaluation_pass
 from lightning_determinism.seeding.seeds import derive_seed
 

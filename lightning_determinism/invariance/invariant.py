@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Sampler
 
-from lightning_determinism._compat.checks import BatchNorm, update_dataloader, wrapped_sampler
+from lightning_determinism._compat.access import wrapped_sampler
+from lightning_determinism._compat.checks import BatchNorm, update_dataloader
 from lightning_determinism.invariance.tree import GradientTree, pair_groups
 from lightning_determinism.seeding.seeds import StepSeeds, derive_seed
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_determinism._compat.checks import metric_defaults
+from lightning_determinism._compat.access import metric_defaults
 from lightning_determinism.exact import check_total, exact_mean, exact_sum, normalize, zero_limbs
 
 

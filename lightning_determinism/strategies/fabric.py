@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import (
+from lightning_determinism._compat.access import (
     device_mesh_of,
     fabric_inner_loader,
     fabric_iterations,

@@ -31,13 +31,11 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_determinism._compat.access import launcher_start_method, launcher_strategy, teardown_trainer
 from lightning_determinism._compat.checks import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
-    launcher_start_method,
-    launcher_strategy,
     suggested_max_num_threads,
-    teardown_trainer,
 )
 from lightning_determinism._process import die_with_parent
 from lightning_determinism.checkpoints.io import check_resume_path

@@ -18,7 +18,8 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import MultiProcessingLauncher, module_trainer
+from lightning_determinism._compat.access import module_trainer
+from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.strategies.launchers import replace_launcher
 from lightning_determinism.strategies.trainer import DeterministicStrategyMixin

@@ -24,14 +24,14 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import (
+from lightning_determinism._compat.access import (
     accelerator_connector,
     ddp_comm_hook,
     device_mesh_of,
     module_trainer,
-    set_sampler_epoch,
     swap_launcher,
 )
+from lightning_determinism._compat.checks import set_sampler_epoch
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable

@@ -1,0 +1,164 @@
+"""The accessors that read the private names :mod:`~lightning_determinism._compat.checks` checks at import.
+
+Each reads one name of Lightning, Fabric, torch or torchmetrics at run time and raises the same clear
+:class:`~lightning_determinism.errors.IncompatibleVersionError` if it is gone (an instance attribute the import-time
+check could only see in an ``__init__``'s code).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from lightning_determinism._compat.checks import FabricDataLoader, _message
+from lightning_determinism.errors import IncompatibleVersionError
+
+
+def _private(obj: Any, name: str) -> Any:
+    """``obj.<name>``, or a clear error naming the versions where this release has no such attribute."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        owner = obj.__qualname__ if isinstance(obj, type) else type(obj).__qualname__
+        raise IncompatibleVersionError(_message([f"`{owner}.{name}` (read at run time)"])) from None
+
+
+def accelerator_connector(trainer: Any) -> Any:
+    """The trainer's accelerator connector (``use_distributed_sampler``, ``cluster_environment``)."""
+    return _private(trainer, "_accelerator_connector")
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current batch only accumulates gradients (the optimizer does not step after it)."""
+    return bool(_private(trainer.fit_loop, "_should_accumulate")())
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook a user gave Lightning's ``DDPStrategy`` (``None`` if none)."""
+    return _private(strategy, "_ddp_comm_hook")
+
+
+def combined_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` of training loaders (``None`` before the loop set it up)."""
+    return _private(trainer.fit_loop, "_combined_loader")
+
+
+def combined_mode(combined: Any) -> str:
+    """A ``CombinedLoader``'s mode (``"max_size_cycle"``, ...)."""
+    return str(_private(combined, "_mode"))
+
+
+def trainer_results(trainer: Any) -> Any:
+    """The trainer's logged-results collection of the running loop (``None`` outside one)."""
+    return _private(trainer, "_results")
+
+
+def teardown_trainer(trainer: Any) -> None:
+    """Tear the trainer down as Lightning does after a run (a rank that stops on purpose)."""
+    _private(trainer, "_teardown")()
+
+
+def slurm_requeue(trainer: Any, signum: int) -> str:
+    """Run Lightning's own SLURM ``SIGUSR1`` handler (checkpoint, requeue); returns the checkpoint's path."""
+    path = str(_private(trainer, "_checkpoint_connector").hpc_save_path(trainer.default_root_dir))  # before it saves
+    _private(_private(trainer, "_signal_connector"), "_slurm_sigusr_handler_fn")(signum, None)
+    return path
+
+
+def device_mesh_of(strategy: Any) -> Any:
+    """The device mesh of a strategy that builds one (``ModelParallelStrategy``), ``None`` before or without."""
+    return getattr(strategy, "_device_mesh", None)
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would write, built here without its barrier (rank 0 alone)."""
+    return _private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
+
+
+def default_store() -> Any:
+    """The default process group's key-value store: ranks agree through it without a collective."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return _private(c10d, "_get_default_store")()
+
+
+def keep_ignored_after_teardown(trainer: Any, signums: Any) -> None:
+    """Have Lightning's signal connector put ``SIG_IGN`` back for ``signums`` at teardown, not its originals."""
+    originals = _private(_private(trainer, "_signal_connector"), "_original_handlers")
+    for signum in signums:
+        originals[signum] = signal.SIG_IGN
+
+
+def module_trainer(module: Any) -> Any:
+    """The trainer a ``LightningModule`` is attached to, ``None`` if none (or no module)."""
+    return None if module is None else _private(module, "_trainer")
+
+
+def swap_launcher(strategy: Any, replace: Callable[[Any], Any]) -> None:
+    """Put ``replace(launcher)`` in place of the launcher a strategy configured."""
+    strategy._launcher = replace(_private(strategy, "_launcher"))
+
+
+def launcher_start_method(launcher: Any) -> str:
+    """A spawn/fork launcher's start method."""
+    return str(_private(launcher, "_start_method"))
+
+
+def launcher_strategy(launcher: Any) -> Any:
+    """The strategy a spawn/fork launcher starts ranks for."""
+    return _private(launcher, "_strategy")
+
+
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper``; ``None`` for any other sampler."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    return _private(sampler.dataset, "_sampler") if isinstance(sampler, DistributedSamplerWrapper) else None
+
+
+def fabric_inner_loader(loader: Any) -> Any:
+    """The ``DataLoader`` inside Fabric's wrapper (or the loader itself)."""
+    return _private(loader, "_dataloader") if isinstance(loader, FabricDataLoader) else loader
+
+
+def fabric_iterations(loader: Any) -> int:
+    """How many times Fabric's wrapper was iterated; 0 for any other loader."""
+    return int(_private(loader, "_num_iter_calls")) if isinstance(loader, FabricDataLoader) else 0
+
+
+def set_fabric_iterations(loader: Any, count: int) -> None:
+    """Set how many times Fabric's wrapper was iterated (Fabric sets the sampler's epoch from it); others: nothing."""
+    if isinstance(loader, FabricDataLoader):
+        _private(loader, "_num_iter_calls")
+        loader._num_iter_calls = count
+
+
+def metric_defaults(metric: Any) -> dict[str, Any]:
+    """A torchmetrics ``Metric``'s state defaults (what ``reset()`` restores)."""
+    return _private(metric, "_defaults")  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "accelerator_connector",
+    "combined_loader",
+    "combined_mode",
+    "ddp_comm_hook",
+    "default_store",
+    "device_mesh_of",
+    "dump_checkpoint",
+    "fabric_inner_loader",
+    "fabric_iterations",
+    "keep_ignored_after_teardown",
+    "launcher_start_method",
+    "launcher_strategy",
+    "metric_defaults",
+    "module_trainer",
+    "set_fabric_iterations",
+    "should_accumulate",
+    "slurm_requeue",
+    "swap_launcher",
+    "teardown_trainer",
+    "trainer_results",
+    "wrapped_sampler",
+]
