@@ -213,3 +213,30 @@ def test_the_real_torchdata_loader_is_refused_at_setup(tmp_path):
     trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=1)
     with pytest.raises(RuntimeError, match="StatefulDataLoader is not supported"):
         trainer.fit(module)
+
+
+def test_the_step_boundary_hook_pickles_and_deep_copies_with_its_callback():
+    # Spawn launchers pickle the trainer's callbacks; users deep-copy them.
+    import copy
+    import pickle
+
+    from lightning_determinism.callbacks._step_boundaries import AfterOptimizerSteps, save_at_step_boundaries
+
+    callback = ModelCheckpoint(every_n_train_steps=1)
+    save_at_step_boundaries(callback)
+    hook = callback.on_train_batch_end
+    save_at_step_boundaries(callback)  # once
+    assert callback.on_train_batch_end is hook and isinstance(hook, AfterOptimizerSteps)
+    for other in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
+        assert isinstance(other.on_train_batch_end, AfterOptimizerSteps)
+        assert other.on_train_batch_end.callback is other  # its own callback, not the original's
+
+
+def test_the_model_parallel_strategy_and_the_replica_guard_pickle():
+    import pickle
+
+    from lightning_determinism import DeterministicModelParallelStrategy, ReplicaGuard
+
+    strategy = pickle.loads(pickle.dumps(DeterministicModelParallelStrategy(seed=4, start_method="spawn")))
+    assert (strategy.seed, strategy.start_method) == (4, "spawn")
+    assert pickle.loads(pickle.dumps(ReplicaGuard(7))).every_n_train_steps == 7

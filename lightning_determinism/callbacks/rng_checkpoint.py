@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
-from lightning_determinism._compat.access import should_accumulate
+from lightning_determinism.callbacks._step_boundaries import save_at_step_boundaries
 from lightning_determinism.data.positions import (
     consumed_batches,
     loader_positions,
@@ -85,7 +85,7 @@ class RNGStateCheckpoint(Callback):
         self._fit_started = False
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
-                _save_at_step_boundaries(callback)
+                save_at_step_boundaries(callback)
 
     @override
     def on_train_batch_start(
@@ -273,32 +273,6 @@ class RNGStateCheckpoint(Callback):
 
     def _verify(self, saved: dict[str, Any], rank: int) -> None:
         verify_restored(saved, rank, _digest(capture_rng_state()))
-
-
-class _AfterOptimizerSteps:
-    """``ModelCheckpoint.on_train_batch_end`` that does nothing on a micro-batch that only accumulates gradients.
-
-    ``ModelCheckpoint(every_n_train_steps=k)`` saves after a batch when ``global_step % k == 0`` and that step was not
-    saved yet. A resumed run does not know the step it resumed was saved, and with ``accumulate_grad_batches > 1`` its
-    first micro-batches leave ``global_step`` unchanged: stock Lightning writes ``step=k.ckpt`` again there, with a
-    half-accumulated step and no gradients (the run resumed from it is not the uninterrupted one). A time-based
-    ``train_time_interval`` can fall inside a window the same way. Deferred to the window's last micro-batch, every
-    save is at an optimizer step, as in the uninterrupted run.
-    """
-
-    def __init__(self, callback: ModelCheckpoint) -> None:
-        self.callback = callback  # the class's hook is called: the instance attribute is this object
-
-    def __call__(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if trainer.accumulate_grad_batches > 1 and should_accumulate(trainer):
-            return
-        type(self.callback).on_train_batch_end(self.callback, trainer, *args, **kwargs)
-
-
-def _save_at_step_boundaries(callback: ModelCheckpoint) -> None:
-    """Have ``callback`` save after optimizer steps only (see :class:`_AfterOptimizerSteps`); once."""
-    if not isinstance(callback.__dict__.get("on_train_batch_end"), _AfterOptimizerSteps):
-        callback.on_train_batch_end = _AfterOptimizerSteps(callback)  # type: ignore[method-assign]
 
 
 def _warn_on_other_accumulation(saved: dict[str, Any], trainer: pl.Trainer) -> None:
