@@ -228,36 +228,25 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
     def process_dataloader(self, dataloader: object) -> object:  # type: ignore[misc]
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = module_trainer(self.lightning_module)  # type: ignore[attr-defined]
-        if self.invariant is not None and trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            dataloader = self.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
-            set_sampler_epoch(dataloader, next_train_epoch(trainer))
-            return make_resumable(dataloader, trainer)
         if trainer is None:
             return dataloader
-        evaluating = trainer.state.stage in (
-            RunningStage.VALIDATING,
-            RunningStage.TESTING,
-            RunningStage.SANITY_CHECKING,
-        )
-        if not accelerator_connector(trainer).use_distributed_sampler:
-            # The user manages samplers (a stream that shards itself, a sampler of their own): theirs stay as they
-            # are, but the training loader still resumes at its exact position, and workers still fork safely.
-            if trainer.state.stage == RunningStage.TRAINING:
-                set_sampler_epoch(dataloader, next_train_epoch(trainer))
-                return make_resumable(dataloader, trainer)
-            return make_fork_safe(dataloader, trainer) if evaluating else dataloader
-        if evaluating:
-            # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
-            dataloader = unpad_eval_dataloader(dataloader)
-            self._ldet_eval_guard.watch(dataloader, self.lightning_module)  # type: ignore[attr-defined]
-            return make_fork_safe(dataloader, trainer)
-        if trainer.state.stage == RunningStage.TRAINING:
+        stage = trainer.state.stage
+        if stage == RunningStage.TRAINING:
+            if self.invariant is not None:
+                dataloader = self.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
             # Lightning creates the first iterator of a run (and, with workers, draws its first indices) before it
             # calls `sampler.set_epoch`; on a resumed run the sampler would replay epoch 0's order.
             set_sampler_epoch(dataloader, next_train_epoch(trainer))
-            # Mid-epoch resume at the index level (see lightning_determinism.data.resumable).
-            dataloader = make_resumable(dataloader, trainer)
-        return dataloader
+            # Mid-epoch resume at the index level (see lightning_determinism.data.resumable), with the user's own
+            # samplers too (`use_distributed_sampler=False`: a stream that shards itself), which stay as they are.
+            return make_resumable(dataloader, trainer)
+        if stage not in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING):
+            return dataloader
+        if accelerator_connector(trainer).use_distributed_sampler:
+            # Evaluation needs no equal batch counts: count every sample once instead of padding with repeats.
+            dataloader = unpad_eval_dataloader(dataloader)
+            self._ldet_eval_guard.watch(dataloader, self.lightning_module)  # type: ignore[attr-defined]
+        return make_fork_safe(dataloader, trainer)
 
 
 class DeterministicDDPStrategy(DeterministicStrategyMixin, DDPStrategy):
