@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.seeding.record import current_seeds
 
 DebugMode = Union[Literal["default", "warn", "error", 0, 1, 2], None]  # noqa: UP007  (a runtime alias on 3.10)
 """``None`` (touch nothing), ``"default"``/0, ``"warn"``/1 or ``"error"``/2, as torch's debug modes."""
@@ -145,7 +146,6 @@ def determinism_report() -> dict[str, Any]:
         True
     """
     from lightning_determinism.__about__ import __version__
-    from lightning_determinism.seeding.seeds import current_seeds  # seeding imports this module
 
     rank, world_size = (
         (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_determinism.seeding.seeds import BASE_SEED_ENV, check_seed, derive_seed
+from lightning_determinism.seeding.record import BASE_SEED_ENV
+from lightning_determinism.seeding.seeds import check_seed, derive_seed
 
 DEFAULT_STREAM = "model-parallel-rng"
 

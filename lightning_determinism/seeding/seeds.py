@@ -20,15 +20,11 @@ import torch.distributed as dist
 from lightning_determinism._process import _rank_and_world_size
 from lightning_determinism.seeding._hash import EMPTY, State, absorb, first_word
 from lightning_determinism.seeding.backends import DebugMode, configure_determinism
+from lightning_determinism.seeding.record import _record_seeds, current_seeds
 
 MAX_SEED = 2**32 - 1
 """Largest seed numpy's legacy global RNG accepts; python and torch accept it too."""
 
-BASE_SEED_ENV = "LDET_BASE_SEED"
-"""Environment variable that carries the base seed to data-loader workers and child processes."""
-
-LOCAL_SEED_ENV = "LDET_LOCAL_SEED"
-"""Environment variable that carries this process's ``base + rank`` seed."""
 
 _PL_GLOBAL_SEED = "PL_GLOBAL_SEED"
 
@@ -237,25 +233,6 @@ class StepSeeds:
 
 
 _WORD = 0xFFFFFFFF
-
-
-def _record_seeds(base: int, local: int) -> None:
-    """Publish the seeds in effect for children, workers and :func:`determinism_report`."""
-    os.environ[BASE_SEED_ENV] = str(base)
-    os.environ[LOCAL_SEED_ENV] = str(local)
-
-
-def current_seeds() -> dict[str, int | None]:
-    """The base and local seeds this process was last seeded with by the package (``None`` if never).
-
-    Examples:
-        >>> _ = set_seed(5)
-        >>> current_seeds()["base_seed"]
-        5
-    """
-    base = os.environ.get(BASE_SEED_ENV)
-    local = os.environ.get(LOCAL_SEED_ENV)
-    return {"base_seed": None if base is None else int(base), "local_seed": None if local is None else int(local)}
 
 
 def resolve_base_seed(seed: object, rank: int, world_size: int, use_pl_global_seed: bool = False) -> int:

@@ -28,17 +28,10 @@ from lightning_determinism.seeding.backends import (
     normalize_debug_mode,
     set_cublas_workspace,
 )
-from lightning_determinism.seeding.seeds import (
-    BASE_SEED_ENV,
-    LOCAL_SEED_ENV,
-    _record_seeds,
-    broadcast_seed,
-    check_seed,
-    resolve_base_seed,
-    seed_all,
-)
+from lightning_determinism.seeding.record import BASE_SEED_ENV, LOCAL_SEED_ENV
+from lightning_determinism.seeding.seeds import _record_seeds, broadcast_seed, check_seed, resolve_base_seed, seed_all
 
-log = logging.getLogger("lightning_determinism.strategies.trainer")
+log = logging.getLogger("lightning_determinism.strategies")
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 SEED_ENV = ("PL_GLOBAL_SEED", BASE_SEED_ENV, LOCAL_SEED_ENV)
