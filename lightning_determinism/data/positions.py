@@ -17,7 +17,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from lightning_determinism._compat.access import combined_loader, combined_mode
-from lightning_determinism.data.stateful import is_stateful_loader
 from lightning_determinism.data.stream_loader import stream_entry
 from lightning_determinism.errors import DeterminismWarning
 
@@ -28,6 +27,23 @@ PLAN_ATTR = "_ldet_resume_plan"
 def is_converted(loader: object) -> bool:
     """Whether the strategies converted this loader (see :func:`make_resumable`)."""
     return bool(getattr(type(loader), "_ldet_converted", False))
+
+
+def is_stateful_loader(loader: object) -> bool:
+    """Whether ``loader`` is a ``DataLoader`` whose own class defines ``state_dict`` and ``load_state_dict``.
+
+    Examples:
+        >>> is_stateful_loader(DataLoader(range(3)))
+        False
+    """
+    if not isinstance(loader, DataLoader):
+        return False
+    for cls in type(loader).__mro__:
+        if cls in (DataLoader, object) or "_ldet_converted" in vars(cls):
+            continue  # ours: the resumable loaders' marker state_dict, the stateful loaders' load_state_dict
+        if "state_dict" in vars(cls) and "load_state_dict" in vars(cls):
+            return True
+    return False
 
 
 def current_epoch(trainer: Any) -> int:
@@ -230,6 +246,7 @@ __all__ = [
     "consumed_batches",
     "current_epoch",
     "is_converted",
+    "is_stateful_loader",
     "loader_positions",
     "mark_stream_start",
     "next_train_epoch",

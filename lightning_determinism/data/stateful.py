@@ -35,25 +35,9 @@ from torch.utils.data import DataLoader
 
 from lightning_determinism._compat.data import litdata_exact_restripe, litdata_planned_drop_last, litdata_state_for
 from lightning_determinism.data.elastic_streams import exact_plans
+from lightning_determinism.data.positions import is_stateful_loader, take_resume
 from lightning_determinism.data.streams import HISTORY  # batches kept to take a position back (fetched ahead)
 from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
-
-
-def is_stateful_loader(loader: object) -> bool:
-    """Whether ``loader`` is a ``DataLoader`` whose own class defines ``state_dict`` and ``load_state_dict``.
-
-    Examples:
-        >>> is_stateful_loader(DataLoader(range(3)))
-        False
-    """
-    if not isinstance(loader, DataLoader):
-        return False
-    for cls in type(loader).__mro__:
-        if cls in (DataLoader, object) or "_ldet_converted" in vars(cls):
-            continue  # ours: the resumable loaders' marker state_dict, the stateful loaders' load_state_dict
-        if "state_dict" in vars(cls) and "load_state_dict" in vars(cls):
-            return True
-    return False
 
 
 def _base(loader: Any) -> Any:
@@ -148,7 +132,6 @@ class StatefulLoaderMixin:
             self._ldet_loading = False
 
     def _ldet_take_resume(self) -> dict[str, Any] | None:
-        from lightning_determinism.data.positions import take_resume  # positions imports this module
 
         return take_resume(self._ldet_trainer(), self)
 
