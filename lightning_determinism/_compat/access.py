@@ -71,6 +71,47 @@ def device_mesh_of(strategy: Any) -> Any:
     return getattr(strategy, "_device_mesh", None)
 
 
+def dtensor_local(tensor: Any) -> Any:
+    """A DTensor's local tensor itself (``to_local()`` is an autograd function; handlers run below autograd)."""
+    return _private(tensor, "_local_tensor")
+
+
+def dtensor_op_handlers() -> dict[Any, Any]:
+    """DTensor's per-op handlers (op -> ``handler(op, args, kwargs)``), consulted before its own dispatch."""
+    from torch.distributed.tensor import DTensor
+
+    return _private(_private(DTensor, "_op_dispatcher"), "_custom_op_handlers")  # type: ignore[no-any-return]
+
+
+def dtensor_random_ops() -> set[Any]:
+    """The ops DTensor treats as random (it runs them under its RNG tracker)."""
+    from torch.distributed.tensor import DTensor
+
+    return set(_private(_private(DTensor, "_op_dispatcher"), "_random_ops"))
+
+
+def wrap_dtensor(local: Any, like: Any) -> Any:
+    """``local`` as a DTensor on ``like``'s mesh and placements, with ``like``'s shape and stride (no checks)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(like.device_mesh, like.placements, TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def keep_dtensor_tracker_from_syncing(mesh: Any) -> bool:
+    """On a CUDA mesh, create DTensor's RNG tracker now without its rank-0 state broadcast; ``True`` if created."""
+    import torch.distributed.tensor._random as dtensor_random
+
+    if _private(dtensor_random, "_rng_tracker") is not None:
+        return False
+    if not _private(dtensor_random, "is_rng_supported_mesh")(mesh) or mesh.device_type == "cpu":
+        return False
+    tracker = _private(dtensor_random, "OffsetBasedRNGTracker")(mesh, run_state_sync=False)
+    dtensor_random._rng_tracker = tracker
+    return True
+
+
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The checkpoint ``trainer.save_checkpoint`` would write, built here without its barrier (rank 0 alone)."""
     return _private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
@@ -146,9 +187,13 @@ __all__ = [
     "ddp_comm_hook",
     "default_store",
     "device_mesh_of",
+    "dtensor_local",
+    "dtensor_op_handlers",
+    "dtensor_random_ops",
     "dump_checkpoint",
     "fabric_inner_loader",
     "fabric_iterations",
+    "keep_dtensor_tracker_from_syncing",
     "keep_ignored_after_teardown",
     "launcher_start_method",
     "launcher_strategy",
@@ -160,5 +205,6 @@ __all__ = [
     "swap_launcher",
     "teardown_trainer",
     "trainer_results",
+    "wrap_dtensor",
     "wrapped_sampler",
 ]

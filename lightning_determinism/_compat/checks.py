@@ -226,6 +226,22 @@ PIECES: tuple[Piece, ...] = (
     Piece("torch._dynamo.decorators.mark_unbacked",
           "one compiled perplexity kernel for every batch size; torch.compile has no public equivalent",
           _exists("torch._dynamo.decorators:mark_unbacked")),
+    Piece("torch.distributed.tensor.DTensor._op_dispatcher (._custom_op_handlers, ._random_ops), DTensor(local,"
+          " spec, requires_grad=), ._local_tensor; _dtensor_spec.DTensorSpec, TensorMeta",
+          "DTensor random ops must draw the whole tensor's numbers and keep the shard's slice (stock: the shard's own"
+          " draw, another mask per degree); the dispatcher's per-op handlers are the one place to route them",
+          lambda: _assigns("torch.distributed.tensor._dispatch:OpDispatcher", "_custom_op_handlers", "_random_ops")()
+          and hasattr(_lookup("torch.distributed.tensor:DTensor"), "_op_dispatcher")
+          and _exists("torch.distributed.tensor._dtensor_spec:DTensorSpec", "mesh", "placements", "tensor_meta")()
+          and _exists("torch.distributed.tensor._dtensor_spec:TensorMeta", "shape", "stride", "dtype")()),
+    Piece("torch.distributed.tensor._random._rng_tracker, OffsetBasedRNGTracker(device_mesh, run_state_sync),"
+          " is_rng_supported_mesh",
+          "on CUDA the tracker DTensor creates at its first random op broadcasts rank 0's generator state, undoing"
+          " per-rank seeds; created first without that sync, it keeps them",
+          lambda: hasattr(importlib.import_module("torch.distributed.tensor._random"), "_rng_tracker")
+          and _exists("torch.distributed.tensor._random:OffsetBasedRNGTracker", "device_mesh",
+                      "run_state_sync")()
+          and _exists("torch.distributed.tensor._random:is_rng_supported_mesh", "device_mesh")()),
     Piece("torch.nn.modules.batchnorm._BatchNorm",
           "the one base of every batch-norm layer (1d/2d/3d, lazy, sync); nothing public covers them all",
           _exists("torch.nn.modules.batchnorm:_BatchNorm")),

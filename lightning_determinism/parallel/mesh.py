@@ -15,6 +15,10 @@ tensor-parallel coordinate ``r % tp``. That is :class:`~lightning_determinism.pa
 A reduction's bits also depend on the number of intra-op threads (LayerNorm's backward sums in another order with
 1 thread than with 2), and Lightning's popen launcher leaves the process it runs in (rank 0) with every core while
 its child ranks get their share: :func:`equalize_threads` gives every rank the smallest count any rank has.
+
+DTensor random ops draw the whole tensor's numbers from the current stream and keep the shard's slice
+(:mod:`~lightning_determinism.parallel.dtensor_random`): under this rule a tensor-parallel shard holds exactly what
+one device draws for it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_determinism.parallel import dtensor_random
 from lightning_determinism.parallel.topology import Topology
 
 MESH_DIMS = ("data_parallel", "tensor_parallel")
@@ -65,7 +70,8 @@ def mesh_topology(mesh: Any, rank: int, world_size: int) -> dict[str, int]:
 
 
 def follow_mesh(steps: Any, mesh: Any, rank: int, world_size: int) -> None:
-    """Give a strategy's ``SeedingSteps`` the mesh's rule (before the ranks are known to it) and equal threads.
+    """Give a strategy's ``SeedingSteps`` the mesh's rule (before the ranks are known to it), equal threads, and
+    DTensor random ops that draw the one-device numbers.
 
     Raises:
         ValueError: for a ``topology`` the user gave that contradicts the mesh, or a mesh of other dimensions.
@@ -79,6 +85,7 @@ def follow_mesh(steps: Any, mesh: Any, rank: int, world_size: int) -> None:
         )
     steps.topology_spec = spec
     steps.distinct_data_parallel = True
+    steps.dtensor_random_routed = bool(dtensor_random.install(mesh))  # undone by steps.restore_env()
     threads = equalize_threads()
     rank_zero_info(f"lightning_determinism: every rank computes with {threads} intra-op thread(s)")
 

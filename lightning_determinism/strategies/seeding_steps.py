@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 
+from lightning_determinism.parallel import dtensor_random
 from lightning_determinism.parallel.topology import Topology, model_parallel_seed, stream_seeds
 from lightning_determinism.seeding.backends import (
     configure_determinism,
@@ -73,6 +74,7 @@ class SeedingSteps:
         self.topology_spec = topology
         self.topology: Topology | None = topology if isinstance(topology, Topology) else None
         self.distinct_data_parallel = False  # the tracker's stream: set by the model-parallel strategies (mesh rule)
+        self.dtensor_random_routed = False  # DTensor random ops drawn whole (mesh rule), undone by restore_env()
         self.base_seed: int | None = None
         self.local_seed: int | None = None
         self._source = ""
@@ -167,12 +169,16 @@ class SeedingSteps:
             _record_seeds(self.base_seed, local)
 
     def restore_env(self) -> None:
-        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace).
+        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace)
+        and DTensor's own random ops.
 
         Set during the run, they reach data-loader workers and child processes; left behind, a drawn seed would
         turn Lightning's ``reset_seed()`` (a no-op without ``seed_everything``) into a reseed and be silently
         reused by a later ``seed_everything()``.
         """
+        if self.dtensor_random_routed:
+            dtensor_random.uninstall()
+            self.dtensor_random_routed = False
         saved, self.saved_env = self.saved_env, {}
         for key, value in saved.items():
             if value is None:

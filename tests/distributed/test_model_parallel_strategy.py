@@ -80,6 +80,7 @@ def test_data_parallel_ranks_draw_their_own_masks(runs):
 def test_the_gathered_start_is_the_one_process_model(runs, name):
     one = json.loads((runs[0] / name / "one_process.json").read_text())["start"]
     assert {record["start"] for record in ranks(runs[0], name)} == {one}
+    assert all(record["dtensor_routed"] for record in ranks(runs[0], name))  # DTensor random ops drawn whole
 
 
 def test_the_same_run_twice_gives_the_same_bits(runs):

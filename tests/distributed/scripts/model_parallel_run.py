@@ -86,7 +86,10 @@ class Net(L.LightningModule):
             fully_shard(self.model, mesh=dp)
 
     def on_train_start(self) -> None:
+        from lightning_determinism.parallel import dtensor_random
+
         self.record["start"] = digest(gathered(self.model))
+        self.record["dtensor_routed"] = dtensor_random.installed()
 
     def training_step(self, batch, batch_idx):
         draws = {"default": torch.rand(3).tolist()}
