@@ -53,7 +53,7 @@ def _rank(rank: int, world_size: int, store: str, results: dict) -> None:
         dtensor_random.uninstall()
         if rank == 0:
             whole = torch.ones(8, 128, features)
-            one = _median_ms(lambda: torch.nn.functional.dropout(whole, 0.1))
+            one = _median_ms(lambda whole=whole: torch.nn.functional.dropout(whole, 0.1))
             results[features] = (one, local, exact)
     dist.destroy_process_group()
 
@@ -63,8 +63,8 @@ def main() -> None:
         results = manager.dict()
         mp.start_processes(_rank, args=(2, os.path.join(tmp, "store"), results), nprocs=2, start_method="fork")
         print(f"dropout on a (8, 128, F) activation, Shard(2) over tensor_parallel_size=2, median of {CALLS} calls, ms")
-        print(f"{'F':>6} | {'one process, whole':>18} | {'DTensor stock (shard own draw)':>30} | {'exact (whole draw)':>18} |"
-              " exact / stock")  # fmt: skip
+        print(f"{'F':>6} | {'one process, whole':>18} | {'DTensor stock (shard own draw)':>30} |"
+              f" {'exact (whole draw)':>18} | exact / stock")  # fmt: skip
         for features in FEATURES:
             one, local, exact = results[features]
             print(f"{features:>6} | {one:18.3f} | {local:30.3f} | {exact:18.3f} | {exact / local:.2f}x")

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from typing_extensions import override
 
+from lightning_determinism._compat.access import device_mesh_of
 from lightning_determinism.callbacks._step_boundaries import save_at_step_boundaries
 from lightning_determinism.data.positions import (
     consumed_batches,
@@ -33,6 +34,7 @@ from lightning_determinism.data.positions import (
 )
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.invariance import elastic
+from lightning_determinism.parallel.topology import model_parallel_seed
 from lightning_determinism.seeding.backends import determinism_report
 from lightning_determinism.seeding.isolation import training_rng_state
 from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY, check_ranks, other_seed_message, verify_restored
@@ -114,6 +116,7 @@ class RNGStateCheckpoint(Callback):
             "report": determinism_report(),  # flags, versions, seeds: what `lightning-determinism report` shows
             "invariant": invariant.state() if invariant is not None else None,  # elastic resume
             "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+            "mesh": _mesh_shape(trainer),  # ModelParallelStrategy's (data_parallel, tensor_parallel), else None
         }
 
     def _local_state(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -161,7 +164,7 @@ class RNGStateCheckpoint(Callback):
         ranks = check_ranks(saved, CHECKPOINT_KEY)
         world_size = saved["world_size"]
         self._pending = saved
-        same_world = world_size == trainer.world_size
+        same_world = _same_layout(saved, trainer)
         invariant = getattr(trainer.strategy, "invariant", None)
         if not same_world and elastic.compatible(saved.get("invariant"), invariant):
             self._elastic_resume(trainer, saved, checkpoint, invariant)
@@ -170,6 +173,8 @@ class RNGStateCheckpoint(Callback):
         data = _with_grids(data, ranks)
         if not same_world and any(entry is not None and "loader_state" in entry for entry in data or []):
             data = _count_batches_anew(checkpoint, data)  # type: ignore[arg-type]
+        if not same_world and any(entry is not None and "deal" in entry for entry in data or []):
+            data = _deal_anew(checkpoint, data, world_size, trainer.world_size)  # type: ignore[arg-type]
         if (data is None or None in data) and _mid_epoch(checkpoint):
             why = (
                 f"was written by {world_size} ranks and is resumed on {trainer.world_size}"
@@ -249,17 +254,19 @@ class RNGStateCheckpoint(Callback):
         if saved is None:
             return
         rank, world_size = trainer.global_rank, trainer.world_size
-        if saved["world_size"] != world_size:
+        if not _same_layout(saved, trainer):
             base = saved.get("base_seed", -1)
             base = current_seeds()["base_seed"] if base is None or base < 0 else base
             step = int(saved.get("global_step", 0))
+            layout = f" (device mesh {saved.get('mesh')} -> {_mesh_shape(trainer)})" if saved.get("mesh") else ""
             rank_zero_warn(
-                f"The checkpoint was written by {saved['world_size']} ranks and is resumed on {world_size}: each rank"
-                f" reseeds from derive_seed(base={base}, 'resume', global_step={step}, rank); the run stays"
+                f"The checkpoint was written by {saved['world_size']} ranks and is resumed on {world_size}{layout}:"
+                f" each rank reseeds from derive_seed(base={base}, 'resume', global_step={step}, rank) (under a device"
+                " mesh, by its rule from derive_seed(base, 'resume', global_step)); the run stays"
                 " reproducible but is not bitwise the uninterrupted one.",
                 category=DeterminismWarning,
             )
-            seed_all(derive_seed(int(base or 0), "resume", step, rank))
+            _reseed(trainer, int(base or 0), step, rank)
             return
         self._warn_on_other_seed(saved)
         entry = saved["ranks"][rank]
@@ -273,6 +280,31 @@ class RNGStateCheckpoint(Callback):
 
     def _verify(self, saved: dict[str, Any], rank: int) -> None:
         verify_restored(saved, rank, _digest(capture_rng_state()))
+
+
+def _reseed(trainer: pl.Trainer, base: int, step: int, rank: int) -> None:
+    """Seed a rank resumed on another layout: ``derive_seed(base, "resume", step, rank)``.
+
+    Under a topology (a device mesh): its rule from ``derive_seed(base, "resume", step)``, so tensor-parallel peers
+    still share their streams.
+    """
+    topology = getattr(trainer.strategy, "topology", None)
+    if topology is None:
+        seed_all(derive_seed(base, "resume", step, rank))
+        return
+    distinct = bool(getattr(getattr(trainer.strategy, "_ldet_steps", None), "distinct_data_parallel", False))
+    model_parallel_seed(derive_seed(base, "resume", step), topology, distinct_data_parallel=distinct)
+
+
+def _mesh_shape(trainer: pl.Trainer) -> list[int] | None:
+    mesh = device_mesh_of(trainer.strategy)
+    return [int(size) for size in mesh.shape] if mesh is not None else None
+
+
+def _same_layout(saved: dict[str, Any], trainer: pl.Trainer) -> bool:
+    """The same number of ranks, each at the same mesh coordinate (a saved state belongs to its coordinate)."""
+    mesh = saved.get("mesh")
+    return bool(saved["world_size"] == trainer.world_size and (mesh is None or mesh == _mesh_shape(trainer)))
 
 
 def _warn_on_other_accumulation(saved: dict[str, Any], trainer: pl.Trainer) -> None:
@@ -296,7 +328,7 @@ def _own_positions(saved: list[dict[str, Any]] | None) -> list[dict[str, Any] | 
     """
     if not saved:
         return None
-    keep = ("loader_state", "loader_epoch", "stream")
+    keep = ("loader_state", "loader_epoch", "stream", "deal")
     return [entry if any(key in entry for key in keep) else None for entry in saved]
 
 
@@ -333,6 +365,27 @@ def _count_batches_anew(checkpoint: dict[str, Any], data: list[Any]) -> list[Any
             current[key] = int(current.get(key, 0)) - done
     fresh = {"batches": 0, "elastic": True, "origin": None}
     return [{**entry, **fresh} if entry is not None and "loader_state" in entry else entry for entry in data]
+
+
+def _deal_anew(checkpoint: dict[str, Any], data: list[Any], old: int, new: int) -> list[Any]:
+    """Map-style loaders under a ``DistributedSampler``, on another world: the rest of the epoch dealt anew.
+
+    The loop counts the resumed epoch's batches from 0 (as for a restriped stream: :func:`_count_batches_anew`) and
+    runs until the dealt rest is exhausted, which is never more batches than a whole epoch on the new world.
+    """
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    current = progress.get("current")
+    if current and _mid_epoch(checkpoint):
+        done = int(current.get("processed", 0))
+        for key in ("ready", "started", "processed", "completed"):
+            current[key] = int(current.get(key, 0)) - done
+    rank_zero_info(
+        f"The checkpoint was written mid-epoch by {old} ranks and is resumed on {new}: the samples of the"
+        " interrupted epoch not trained yet are dealt to the new ranks (each once, in the uninterrupted run's order;"
+        " lightning_determinism.data.deal)."
+    )
+    return [{**entry, "skip": 0, "epoch_start": None} if entry is not None and "deal" in entry else entry
+            for entry in data]  # fmt: skip
 
 
 def _warn_about_streams(data: list[Any] | None, same_world: bool, old: int, new: int) -> None:

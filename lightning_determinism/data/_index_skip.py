@@ -103,6 +103,33 @@ class SkipOnce:
         return len(self.inner)
 
 
+class DealtOnce(SkipOnce):
+    """An index sampler whose first iteration serves ``order`` (a dealt rest of an epoch: ``data.deal``) instead.
+
+    Under a ``BatchSampler`` the indices are batched as the loader batches; later iterations are the inner
+    sampler's own.
+    """
+
+    def __init__(self, inner: Any, order: list[int]) -> None:
+        super().__init__(inner, 0)
+        self.order = order
+
+    def _skipped(self) -> Iterator[Any]:
+        if not self._pending:
+            yield from self.inner
+            return
+        self._pending = False
+        if isinstance(self.inner, BatchSampler):
+            yield from BatchSampler(self.order, self.inner.batch_size, self.inner.drop_last)  # type: ignore[arg-type]
+            return
+        yield from self.order
+
+    def __len__(self) -> int:
+        if self._pending and isinstance(self.inner, BatchSampler):
+            return len(BatchSampler(self.order, self.inner.batch_size, self.inner.drop_last))  # type: ignore[arg-type]
+        return len(self.order) if self._pending else len(self.inner)
+
+
 def prime(iterator: Any) -> None:
     """Draw the first index of a single-process iterator now (the sampler's random draw happens with it)."""
     indices = sampler_iter(iterator)
@@ -112,4 +139,4 @@ def prime(iterator: Any) -> None:
     set_sampler_iter(iterator, indices if first is END else itertools.chain([first], indices))
 
 
-__all__ = ["END", "SkipOnce", "SkippedSampler", "consume", "prime", "seek"]
+__all__ = ["END", "DealtOnce", "SkipOnce", "SkippedSampler", "consume", "prime", "seek"]

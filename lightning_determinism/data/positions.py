@@ -17,6 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from lightning_determinism._compat.access import combined_loader, combined_mode
+from lightning_determinism.data.deal import deal_entry
 from lightning_determinism.data.stream_loader import stream_entry
 from lightning_determinism.errors import DeterminismWarning
 
@@ -146,9 +147,16 @@ def loader_positions(trainer: Any) -> list[dict[str, Any]]:
         length = int(limit) if limit not in (None, float("inf")) else len(loader)  # type: ignore[arg-type]
         cycles = combined_mode(combined) == "max_size_cycle" and length < total
         skip = consumed % length if cycles and length else min(consumed, length)
-        positions.append(
-            {"epoch": epoch, "skip": int(skip), "epoch_start": loader._ldet_epoch_start, "shape": loader_shape(loader)}
-        )
+        entry = {
+            "epoch": epoch,
+            "skip": int(skip),
+            "epoch_start": loader._ldet_epoch_start,
+            "shape": loader_shape(loader),
+        }
+        deal = deal_entry(loader, int(skip)) if skip else None
+        if deal is not None:  # resumed on another number of replicas, the rest of the epoch is dealt anew
+            entry["deal"] = deal
+        positions.append(entry)
     return positions
 
 

@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_determinism._compat.checks import set_sampler_epoch
 from lightning_determinism._compat.data import base_index_sampler, loader_iterator
-from lightning_determinism.data._index_skip import SkipOnce, prime
+from lightning_determinism.data import deal as deals
+from lightning_determinism.data._index_skip import DealtOnce, SkipOnce, prime
 from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
 from lightning_determinism.data.positions import current_epoch, is_converted, shape_change, take_resume
@@ -79,6 +80,8 @@ class ResumableLoaderMixin:
     _ldet_epoch_start: dict[str, Any] | None
     _ldet_skip: int | None  # batches to drop while a resumed iterator is being created, else None
     _ldet_skip_sampler: SkipOnce | None
+    _ldet_order: list[int] | None  # a dealt rest of an epoch the next iterator serves first (see data.deal)
+    _ldet_dealt: dict[str, Any] | None  # the deal the current epoch was dealt by, for the next checkpoint
 
     def __iter__(self) -> Iterator[Any]:
         epoch = getattr(self, "_ldet_epoch", None)
@@ -99,6 +102,10 @@ class ResumableLoaderMixin:
     @property
     def _index_sampler(self) -> Any:
         inner = base_index_sampler(self._ldet_base(), self)
+        if getattr(self, "_ldet_order", None) is not None:
+            if self._ldet_skip_sampler is None or self._ldet_skip_sampler.inner is not inner:
+                self._ldet_skip_sampler = DealtOnce(inner, self._ldet_order)  # type: ignore[arg-type]
+            return self._ldet_skip_sampler
         if self._ldet_skip is not None:
             if self._ldet_skip_sampler is None or self._ldet_skip_sampler.inner is not inner:
                 self._ldet_skip_sampler = SkipOnce(inner, self._ldet_skip)
@@ -155,10 +162,14 @@ class ResumableLoaderMixin:
 
         if getattr(self, "_ldet_stream", False):
             return self._ldet_create_stream(trainer, resume, create)
+        self._ldet_dealt = None
         if resume is None:
             self._ldet_set_epoch(current_epoch(trainer))
             self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
             return create()  # type: ignore[no-any-return]
+        deal = resume.get("deal")
+        if deal is not None and deals.needs_deal(deal, self):
+            return self._ldet_deal(deal, int(resume["epoch"]), create)
         self._ldet_set_epoch(int(resume["epoch"]))
         start = resume.get("epoch_start")
         skip = int(resume.get("skip", 0))
@@ -199,6 +210,23 @@ class ResumableLoaderMixin:
             self._ldet_skip = None
             self._ldet_skip_sampler = None
             self._ldet_restore(now)
+
+    def _ldet_deal(self, deal: dict[str, Any], epoch: int, create: Any) -> Iterator[Any]:
+        """Serve this replica's share of the rest of an epoch interrupted on another number of replicas."""
+        deals.check_same_sampler(deal, self)
+        sampler = deals.stock_distributed_sampler(self)
+        rank, world = int(sampler.rank), int(sampler.num_replicas)  # type: ignore[union-attr]
+        self._ldet_set_epoch(epoch)
+        self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
+        self._ldet_order = deals.dealt_share(deal, epoch, rank, world)
+        self._ldet_dealt = deal
+        try:
+            iterator = create()
+            prime(iterator)
+            return iterator  # type: ignore[no-any-return]
+        finally:
+            self._ldet_order = None
+            self._ldet_skip_sampler = None
 
     def _ldet_worker_replay(self, start: dict[str, Any], skip: int, create_single: Any) -> WorkerReplay | None:
         """With workers and no per-sample seeds: the replay that gives each worker its role (``_worker_replay``)."""
@@ -313,6 +341,8 @@ def _convert(dataloader: DataLoader, trainer: Any, resumable: bool) -> DataLoade
         dataloader._ldet_epoch_start = None  # type: ignore[attr-defined]
         dataloader._ldet_skip = None  # type: ignore[attr-defined]
         dataloader._ldet_skip_sampler = None  # type: ignore[attr-defined]
+        dataloader._ldet_order = None  # type: ignore[attr-defined]
+        dataloader._ldet_dealt = None  # type: ignore[attr-defined]
     dataloader._ldet_resumable = resumable  # type: ignore[attr-defined]
     dataloader._ldet_trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
     return dataloader

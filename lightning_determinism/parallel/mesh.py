@@ -70,8 +70,9 @@ def mesh_topology(mesh: Any, rank: int, world_size: int) -> dict[str, int]:
 
 
 def follow_mesh(steps: Any, mesh: Any, rank: int, world_size: int) -> None:
-    """Give a strategy's ``SeedingSteps`` the mesh's rule (before the ranks are known to it), equal threads, and
-    DTensor random ops that draw the one-device numbers.
+    """Give a strategy's ``SeedingSteps`` the mesh's rule (before the ranks are known to it) and equal threads.
+
+    DTensor random ops are routed to draw the one-device numbers (:mod:`.dtensor_random`).
 
     Raises:
         ValueError: for a ``topology`` the user gave that contradicts the mesh, or a mesh of other dimensions.

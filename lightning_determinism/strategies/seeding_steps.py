@@ -169,8 +169,9 @@ class SeedingSteps:
             _record_seeds(self.base_seed, local)
 
     def restore_env(self) -> None:
-        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace)
-        and DTensor's own random ops.
+        """Put back the variables the strategy set (``PL_GLOBAL_SEED``, the package's seeds, cuBLAS's workspace).
+
+        DTensor's own random ops come back too (the mesh rule routed them).
 
         Set during the run, they reach data-loader workers and child processes; left behind, a drawn seed would
         turn Lightning's ``reset_seed()`` (a no-op without ``seed_everything``) into a reseed and be silently

@@ -19,7 +19,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "model_parallel_run.py"
 FABRIC = Path(__file__).parent / "scripts" / "fabric_model_parallel.py"
 CONFIGS = [
     {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True},
-    {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5]},  # FSDP2 over data_parallel, tensor parallel inside
+    # FSDP2 over data_parallel, tensor parallel inside; resumed on data_parallel_size 1 (x tp 2) and 4 (x tp 1)
+    {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5], "elastic": [[5, 1, 2], [5, 4, 1]]},
 ]
 
 
@@ -47,8 +48,8 @@ def runs(tmp_path_factory):
     return root, done["old"]
 
 
-def ranks(root, name, run="straight"):
-    count = {"tp2": 2, "dp2tp2": 4}[name]
+def ranks(root, name, run="straight", count=None):
+    count = count or {"tp2": 2, "dp2tp2": 4}[name]
     return [json.loads((root / name / run / f"rank{r}.json").read_text()) for r in range(count)]
 
 
@@ -99,6 +100,28 @@ def test_a_mid_epoch_resume_from_a_distributed_checkpoint_is_bitwise(runs, name,
     assert checkpoint.is_dir()  # Lightning's distributed checkpoint: the RNG states are in its meta.pt
     meta = torch.load(checkpoint / "meta.pt", weights_only=True)
     assert len(meta["lightning_determinism_rng"]["ranks"]) == len(straight)
+
+
+def _epoch_order(records, steps, dp, tp):
+    """The samples the data-parallel ranks trained at ``steps``, in the order a DistributedSampler deals them."""
+    replicas = records[::tp]  # tensor-parallel peers train the same samples
+    assert len(replicas) == dp
+    per_step = [[r["steps"][str(step)]["samples"] for r in replicas] for step in steps]
+    return [sample for batches in per_step for column in zip(*batches, strict=True) for sample in column]
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 2), (4, 1)])
+def test_a_resume_on_another_data_parallel_size_trains_the_rest_of_the_epoch_once(runs, dp, tp):
+    straight, resumed = ranks(runs[0], "dp2tp2"), ranks(runs[0], "dp2tp2", f"elastic5-{dp}x{tp}", count=dp * tp)
+    # Epoch 1 is steps 5-8 on 2 x 2 samples per step; step 5 was trained before the checkpoint.
+    before, after = _epoch_order(straight, [5], 2, 2), _epoch_order(straight, [6, 7, 8], 2, 2)
+    steps = sorted(int(step) for step in resumed[0]["steps"])
+    assert steps[0] == 6 and len(steps) == -(-12 // dp // 2)  # 12 samples left, dealt dp ways, batches of 2
+    dealt = _epoch_order(resumed, steps, dp, tp)
+    assert dealt == after  # the uninterrupted run's order: every sample once
+    assert sorted(before + dealt) == list(range(16))
+    for peers in range(0, dp * tp, tp):  # replicas still equal; every rank fine
+        assert len({r["steps"][str(steps[-1])]["replicated"].__repr__() for r in resumed[peers : peers + tp]}) == 1
 
 
 def test_the_replica_guard_catches_the_mixins_old_rule(runs):

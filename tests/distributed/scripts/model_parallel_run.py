@@ -97,14 +97,20 @@ class Net(L.LightningModule):
             draws["fork"] = torch.rand(3).tolist()
         loss = self.model(batch[0]).square().mean()
         step = int(self.trainer.global_step) + 1
-        self.record["steps"][step] = {"draws": draws, "loss": float(loss).hex(), "x": batch[0].sum().item()}
+        self.record["steps"][step] = {
+            "draws": draws,
+            "loss": float(loss).hex(),
+            "x": batch[0].sum().item(),
+            "samples": batch[1].tolist(),
+        }
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.record["steps"][int(self.trainer.global_step)]["replicated"] = replicated_digests(self.model)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(16, 8, generator=torch.Generator().manual_seed(0))), batch_size=2)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, torch.arange(16)), batch_size=2, shuffle=True)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -154,6 +160,8 @@ if __name__ == "__main__":
         fit(root / "straight", config["dp"], config["tp"])
         if config.get("twice"):
             fit(root / "again", config["dp"], config["tp"], every_step=False)
+        for k, dp, tp in config.get("elastic", []):  # another data-parallel size: DCP reshards, the rest is dealt
+            fit(root / f"elastic{k}-{dp}x{tp}", dp, tp, ckpt=root / "straight" / f"step={k}.ckpt", every_step=False)
         for k in config.get("resume", []):
             fit(root / f"resumed{k}", config["dp"], config["tp"], ckpt=root / "straight" / f"step={k}.ckpt",
                 every_step=False)  # fmt: skip
