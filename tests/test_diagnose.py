@@ -7,8 +7,10 @@ score in docs/diagnose.md is this table; the distributed pairs (reduction, invar
 
 import json
 import math
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_determinism import (
+    DamagedCheckpointError,
     DeterministicSingleDeviceStrategy,
     DivergenceProbe,
     ProbeFileError,
@@ -23,7 +26,9 @@ from lightning_determinism import (
     diagnose,
     diagnose_checkpoints,
 )
+from lightning_determinism.checkpoints.distributed import load_distributed_checkpoint
 from lightning_determinism.divergence.cli import main as cli
+from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY
 from tests.fault_models import FaultNet
 from tests.helpers import CHILD_TIMEOUT_S, child_env
 from tests.lightning_models import quiet_trainer
@@ -214,6 +219,156 @@ def test_bisection_finds_the_first_differing_pair_within_its_bound(tmp_path, n):
         assert found.comparisons <= math.ceil(math.log2(n)) + 1 == found.limit
         assert found.first_different == (parted + 1 if parted < n else None)
         assert found.last_equal == (parted if parted > 0 else None)
+
+
+def _distributed_checkpoint(path, step, weight, rank1_rng=None):
+    """A directory as Lightning's ModelParallelStrategy saves it: the weights and the optimizer's state (keyed by
+    parameter name, as get_optimizer_state_dict gives it) in the DCP shards, the rest of the checkpoint (loops,
+    callbacks, schedulers, every rank's RNG states) in rank 0's meta.pt, written last."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "state_dict": {"net.weight": weight, "net.bias": torch.zeros(3)},
+        "optimizer_0": {
+            "state": {"net.weight": {"step": torch.tensor(float(step)), "exp_avg": weight / 2}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": ["net.weight", "net.bias"]}],
+        },
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+    rng = [{"torch": torch.Generator().manual_seed(rank).get_state()} for rank in (0, 1)]
+    ranks = [{"rng": state, "digest": "", "loaders": {}} for state in rng]
+    if rank1_rng is not None:
+        ranks[1]["rng"]["torch"] = rank1_rng
+    torch.save({"epoch": 0, "global_step": step, "pytorch-lightning_version": "2.6.6",
+                "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 0}}}}, "callbacks": {},
+                "lr_schedulers": [], CHECKPOINT_KEY: {"world_size": 2, "base_seed": 3, "global_step": step,
+                                                      "ranks": ranks}}, path / "meta.pt")  # fmt: skip
+    return path
+
+
+def _distributed_runs(tmp_path, steps, parted, what):
+    """Runs "a" and "b" of `steps` distributed checkpoints each, "b" differing in `what` from step `parted` on."""
+    dirs = {}
+    for run in ("a", "b"):
+        dirs[run] = tmp_path / run
+        dirs[run].mkdir()
+        for step in range(1, steps + 1):
+            differs = run == "b" and parted is not None and step >= parted
+            weight = torch.arange(6.0).reshape(2, 3) + (1.0 if differs and what == "weight" else 0.0)
+            rng = torch.Generator().manual_seed(7).get_state() if differs and what == "rng" else None
+            _distributed_checkpoint(dirs[run] / f"step={step}.ckpt", step, weight, rank1_rng=rng)
+    return dirs
+
+
+@pytest.mark.parametrize(
+    ("what", "differences"),
+    [("weight", ["optimizer_states.0.state.net.weight.exp_avg", "state_dict.net.weight"]), ("rng", ["rng.1.torch"])],
+)
+def test_distributed_checkpoints_are_bisected_to_the_first_differing_step_and_entry(tmp_path, what, differences):
+    dirs = _distributed_runs(tmp_path, 4, parted=3, what=what)
+    found = bisect_checkpoints(dirs["a"], dirs["b"])
+    assert (found.last_equal, found.first_different, found.differences) == (2, 3, differences)
+    assert found.checkpoints == {"a": dirs["a"] / "step=2.ckpt", "b": dirs["b"] / "step=2.ckpt"}
+    assert found.comparisons <= found.limit
+
+
+def test_equal_distributed_checkpoints_are_the_same_without_a_replay(tmp_path):
+    dirs = _distributed_runs(tmp_path, 3, parted=None, what=None)
+    found = bisect_checkpoints(dirs["a"], dirs["b"])
+    assert (found.last_equal, found.first_different, found.differences, found.comparisons) == (3, None, [], 1)
+
+    def replay(run, checkpoint, probe):
+        raise AssertionError("no replay when every pair is equal")
+
+    assert diagnose_checkpoints(dirs["a"], dirs["b"], replay, tmp_path / "replay")["verdict"] == "same"
+
+
+def test_diagnose_replays_from_the_last_equal_distributed_checkpoint_directory(tmp_path):
+    dirs = _distributed_runs(tmp_path, 4, parted=4, what="weight")
+    replays = []
+
+    class Replayed(Exception):
+        pass
+
+    def replay(run, checkpoint, probe):  # what a Trainer(strategy=ModelParallelStrategy(...)) resumes from
+        replays.append((run, checkpoint, probe.steps))
+        raise Replayed
+
+    with pytest.raises(Replayed):
+        diagnose_checkpoints(dirs["a"], dirs["b"], replay, tmp_path / "replay")
+    assert replays == [("a", dirs["a"] / "step=3.ckpt", (3,))]
+
+
+def test_a_distributed_checkpoint_reads_as_the_full_checkpoint(tmp_path):
+    weight = torch.arange(6.0).reshape(2, 3)
+    checkpoint = load_distributed_checkpoint(_distributed_checkpoint(tmp_path / "step=2.ckpt", 2, weight))
+    assert torch.equal(checkpoint["state_dict"]["net.weight"], weight) and checkpoint["global_step"] == 2
+    (optimizer,) = checkpoint["optimizer_states"]
+    assert optimizer["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.999), "params": ["net.weight", "net.bias"]}]
+    assert torch.equal(optimizer["state"]["net.weight"]["exp_avg"], weight / 2)
+    assert sorted(checkpoint) == ["callbacks", "epoch", "global_step", CHECKPOINT_KEY, "loops", "lr_schedulers",
+                                  "optimizer_states", "pytorch-lightning_version", "state_dict"]  # fmt: skip
+
+
+def _cut_shard(path):
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (
+            lambda p: (p / "meta.pt").unlink(),
+            r"a damaged distributed checkpoint: no meta.pt \(Lightning's rank 0 writes",
+        ),
+        (lambda p: (p / ".metadata").unlink(), r"a damaged distributed checkpoint: no .metadata \(torch.distributed"),
+        (lambda p: (p / "__0_0.distcp").unlink(), r"its shards cannot be read \(FileNotFoundError: .*__0_0.distcp"),
+        (_cut_shard, r"its shards cannot be read \(\w+: a shard file cut short or overwritten\)"),
+        (
+            lambda p: (p / "meta.pt").write_bytes(b"PK\x03\x04" + bytes(60)),
+            r"meta.pt: a damaged or truncated checkpoint",
+        ),
+        (lambda p: (p / ".metadata").write_bytes(b"junk"), r"its index .metadata cannot be read \(UnpicklingError"),
+    ],
+    ids=["no meta.pt", "no .metadata", "a shard missing", "a shard cut short", "meta.pt damaged", ".metadata damaged"],
+)
+def test_a_damaged_distributed_checkpoint_is_named_with_what_is_wrong(tmp_path, damage, match):
+    dirs = _distributed_runs(tmp_path, 2, parted=None, what=None)
+    damage(dirs["b"] / "step=2.ckpt")
+    with pytest.raises(DamagedCheckpointError, match=rf"^{re.escape(str(dirs['b'] / 'step=2.ckpt'))}.*{match}"):
+        bisect_checkpoints(dirs["a"], dirs["b"])
+
+
+def test_a_type_weights_only_refuses_in_the_shards_is_no_damage_and_named(tmp_path):
+    import datetime
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "step=1.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optimizer_0": {"param_groups": [{"since": datetime.date(2020, 1, 1)}]}}, checkpoint_id=path,
+                 no_dist=True)  # fmt: skip
+    torch.save({"global_step": 1}, path / "meta.pt")
+    with pytest.raises(pickle.UnpicklingError, match=rf"^{re.escape(str(path))}: .* refuses an entry .*datetime.date"):
+        load_distributed_checkpoint(path)
+
+
+def test_a_file_against_a_distributed_directory_is_refused_naming_both(tmp_path):
+    dirs = _distributed_runs(tmp_path, 1, parted=None, what=None)
+    (tmp_path / "files").mkdir()
+    torch.save({"state_dict": {"net.weight": torch.zeros(2, 3)}}, tmp_path / "files" / "step=1.ckpt")
+    pattern = (
+        rf"`{re.escape(str(dirs['a'] / 'step=1.ckpt'))}` is a distributed checkpoint directory and"
+        rf" `{re.escape(str(tmp_path / 'files' / 'step=1.ckpt'))}` a single-file checkpoint: .* compares checkpoints"
+        " of one kind"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        bisect_checkpoints(dirs["a"], tmp_path / "files")
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")

@@ -2,10 +2,14 @@
 on 1 and 2 processes line up micro-batch by micro-batch (the same, or a fault named where it is)."""
 
 import pytest
+import torch
 
-from lightning_determinism import DeterministicDDPStrategy, DivergenceProbe, diagnose
+from lightning_determinism import DeterministicDDPStrategy, DivergenceProbe, bisect_checkpoints, diagnose
+from lightning_determinism.checkpoints.distributed import load_distributed_checkpoint
 from tests.fault_models import FaultNet
+from tests.helpers import run_distributed
 from tests.lightning_models import quiet_trainer
+from tests.test_diagnose import _distributed_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -49,3 +53,38 @@ def test_invariant_runs_on_one_and_two_processes_line_up_by_micro_batch(tmp_path
     dropout = _fit(tmp_path / "dropout.json", 2, invariant=True, p=0.3)
     found = diagnose(one, dropout)
     assert (found["step"], found["micro_batch"], found["module"], found["cause"]) == (0, 0, "net.3", "randomness")
+
+
+WEIGHT = torch.arange(6.0).reshape(2, 3)
+
+
+def _save_sharded(rank, world_size, path, meta):
+    # As FSDP2 x tensor parallel leaves it: each rank writes its own chunks of the weights, rank 0 the meta.pt.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = {"state_dict": {"net.weight": distribute_tensor(WEIGHT, mesh, [Shard(1)]),
+                              "net.bias": distribute_tensor(torch.zeros(3), mesh, [Replicate()])},
+               "optimizer_0": {"state": {"net.weight": {"step": torch.tensor(2.0),
+                                                        "exp_avg": distribute_tensor(WEIGHT / 2, mesh, [Shard(0)])}},
+                               "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999),
+                                                 "params": ["net.weight", "net.bias"]}]}}  # fmt: skip
+    dcp.save(sharded, checkpoint_id=path)
+    if rank == 0:
+        (path / "meta.pt").write_bytes(meta.read_bytes())  # the one-process run's: the same RNG states
+
+
+def test_a_checkpoint_sharded_over_two_ranks_is_read_whole_and_equals_the_one_process_one(tmp_path):
+    for run in ("one", "two"):
+        (tmp_path / run).mkdir()
+    _distributed_checkpoint(tmp_path / "one" / "step=2.ckpt", 2, WEIGHT)
+    meta = tmp_path / "one" / "step=2.ckpt" / "meta.pt"
+    run_distributed(_save_sharded, tmp_path, tmp_path / "two" / "step=2.ckpt", meta)
+    assert len(list((tmp_path / "two" / "step=2.ckpt").glob("*.distcp"))) == 2
+    whole = load_distributed_checkpoint(tmp_path / "two" / "step=2.ckpt")
+    assert torch.equal(whole["state_dict"]["net.weight"], WEIGHT)
+    assert torch.equal(whole["optimizer_states"][0]["state"]["net.weight"]["exp_avg"], WEIGHT / 2)
+    found = bisect_checkpoints(tmp_path / "one", tmp_path / "two")
+    assert (found.last_equal, found.first_different, found.differences) == (2, None, [])

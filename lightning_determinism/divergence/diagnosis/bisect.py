@@ -11,6 +11,12 @@ later ones), which is what makes the halving sound.
 with a :class:`~lightning_determinism.DivergenceProbe` on the steps up to the first differing checkpoint, once per
 run, through a function you give it, and returns :func:`~lightning_determinism.diagnose`'s answer. The replays are
 bitwise replays of the original runs under the package's strategies (docs/resume.md).
+
+A checkpoint is a ``.ckpt`` file, or Lightning's distributed checkpoint directory (``ModelParallelStrategy``,
+``FSDPStrategy(state_dict_type="sharded")``: rank 0's ``meta.pt`` beside the shards), whose full weights and optimizer
+states are read from the shards on this one process
+(:func:`~lightning_determinism.checkpoints.distributed.load_distributed_checkpoint`). Both runs' checkpoints must be
+of one kind: a directory's optimizer states are keyed by parameter name, a file's by index.
 """
 
 from __future__ import annotations
@@ -18,22 +24,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_determinism.checkpoints.distributed import check_distributed_checkpoint, load_distributed_checkpoint
 from lightning_determinism.divergence.diagnosis.diagnose import diagnose
 from lightning_determinism.divergence.diagnosis.probe import DivergenceProbe
-from lightning_determinism.divergence.fingerprint import fingerprint
+from lightning_determinism.divergence.fingerprint import fingerprint, named_tensors
 from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY
 
 _STEP = re.compile(r"(?:^|[^a-z_])step=(\d+)")
 
 
 def checkpoint_steps(directory: str | Path) -> dict[int, Path]:
-    """The checkpoints of a directory by the ``step=N`` in their names.
+    """The checkpoints of a directory by the ``step=N`` in their names (``*.ckpt`` files or distributed directories).
 
     Raises:
         ValueError: for a directory that does not exist or holds no ``*.ckpt`` named with ``step=N``.
@@ -62,23 +69,67 @@ def checkpoint_steps(directory: str | Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def _determining(path: str | Path) -> dict[str, Any]:
+    """What makes a run continue as it does from the checkpoint at ``path`` (a file or a distributed directory)."""
+    if Path(path).is_dir():
+        checkpoint = load_distributed_checkpoint(path)
+    else:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    saved = checkpoint.get(CHECKPOINT_KEY) or {}
+    return {
+        "state_dict": checkpoint.get("state_dict", {}),
+        "optimizer_states": checkpoint.get("optimizer_states", []),
+        "lr_schedulers": checkpoint.get("lr_schedulers", []),
+        "rng": [rank.get("rng") for rank in saved.get("ranks", []) if isinstance(rank, dict)],
+    }
+
+
 def checkpoint_fingerprint(path: str | Path) -> str:
     """The fingerprint of what makes a run continue as it does from a checkpoint.
 
     See :func:`~lightning_determinism.divergence.fingerprint.fingerprint`.
     Parameters, optimizer and LR-scheduler states and every rank's random states; not the hyperparameters, the
-    callbacks' own state or the loop counters, which name the run rather than determine it.
+    callbacks' own state or the loop counters, which name the run rather than determine it. ``path`` is a ``.ckpt``
+    file or a distributed checkpoint directory (its weights and optimizer states read whole from the shards).
+
+    Raises:
+        DamagedCheckpointError: for a distributed checkpoint directory without ``meta.pt`` or whose shards cannot be
+            read.
     """
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    saved = checkpoint.get(CHECKPOINT_KEY) or {}
-    return fingerprint(
-        {
-            "state_dict": checkpoint.get("state_dict", {}),
-            "optimizer_states": checkpoint.get("optimizer_states", []),
-            "lr_schedulers": checkpoint.get("lr_schedulers", []),
-            "rng": [rank.get("rng") for rank in saved.get("ranks", []) if isinstance(rank, dict)],
-        }
-    )
+    return fingerprint(_determining(path))
+
+
+def _entry_fingerprints(path: str | Path) -> dict[str, str]:
+    """One fingerprint per entry (``state_dict.net.0.weight``, ``rng.1.torch``, ...): equal dicts, equal checkpoints.
+
+    A rank's random states are one entry per generator (``python``, ``numpy``, ``torch``, ``cuda``, ``tracker``), not
+    one per number of their states.
+    """
+    determining = _determining(path)
+    ranks = determining.pop("rng")
+    entries = {name: fingerprint(value) for name, value in named_tensors(determining).items()}
+    for rank, state in enumerate(ranks):
+        for kind, value in state.items() if isinstance(state, dict) else [(None, state)]:
+            entries[f"rng.{rank}" if kind is None else f"rng.{rank}.{kind}"] = fingerprint(value)
+    return entries
+
+
+def _check_kinds(a: dict[int, Path], b: dict[int, Path], steps: list[int]) -> None:
+    """Before any comparison: each pair is of one kind, and no distributed checkpoint lacks a file it needs."""
+    for step in steps:
+        if a[step].is_dir() != b[step].is_dir():
+            kinds = [
+                "a distributed checkpoint directory" if p.is_dir() else "a single-file checkpoint"
+                for p in (a[step], b[step])
+            ]
+            raise ValueError(
+                f"`{a[step]}` is {kinds[0]} and `{b[step]}` {kinds[1]}: bisect_checkpoints compares checkpoints of"
+                " one kind (a directory's optimizer states are keyed by parameter name, a file's by index); save"
+                " both runs with the same strategy and `save_distributed_checkpoint`"
+            )
+        for path in (a[step], b[step]):
+            if path.is_dir():
+                check_distributed_checkpoint(path)
 
 
 @dataclass
@@ -91,6 +142,8 @@ class Bisection:
         first_different: the step of the first differing pair; None when every pair is equal.
         comparisons: how many pairs were compared (at most ``ceil(log2 len(steps)) + 1``).
         checkpoints: the last equal pair's files (``{"a": path, "b": path}``), None where there is none.
+        differences: what differs in the first differing pair, by name (``state_dict.net.0.weight``,
+            ``optimizer_states.0.state...``, ``rng.1.torch`` for rank 1's torch RNG state); empty when all are equal.
     """
 
     steps: list[int]
@@ -98,6 +151,7 @@ class Bisection:
     first_different: int | None
     comparisons: int
     checkpoints: dict[str, Path] | None
+    differences: list[str] = field(default_factory=list)
 
     @property
     def limit(self) -> int:
@@ -108,19 +162,29 @@ class Bisection:
 def bisect_checkpoints(dir_a: str | Path, dir_b: str | Path) -> Bisection:
     """Find the first pair of checkpoints (same step) that differ by fingerprint, in ``ceil(log2 n) + 1`` comparisons.
 
+    The checkpoints are ``.ckpt`` files or distributed checkpoint directories (``step=K.ckpt/`` with rank 0's
+    ``meta.pt`` beside the shards), the same kind in both runs at each step.
+
     Raises:
-        ValueError: for a directory without checkpoints, or directories without a step in common.
+        ValueError: for a directory without checkpoints, directories without a step in common, or a step whose
+            checkpoint is a file in one run and a directory in the other.
+        DamagedCheckpointError: for a distributed checkpoint directory without ``meta.pt`` or ``.metadata`` (checked
+            before any comparison), or whose shards cannot be read.
     """
     a, b = checkpoint_steps(dir_a), checkpoint_steps(dir_b)
     steps = sorted(set(a) & set(b))
     if not steps:
         raise ValueError(f"`{dir_a}` and `{dir_b}` hold no checkpoint of the same step: {sorted(a)} and {sorted(b)}")
+    _check_kinds(a, b, steps)
     compared = 0
+    differing: dict[int, list[str]] = {}
 
     def equal(i: int) -> bool:
         nonlocal compared
         compared += 1
-        return checkpoint_fingerprint(a[steps[i]]) == checkpoint_fingerprint(b[steps[i]])
+        entries_a, entries_b = _entry_fingerprints(a[steps[i]]), _entry_fingerprints(b[steps[i]])
+        differing[i] = sorted(n for n in entries_a.keys() | entries_b.keys() if entries_a.get(n) != entries_b.get(n))
+        return not differing[i]
 
     if equal(len(steps) - 1):
         last = steps[-1]
@@ -134,7 +198,7 @@ def bisect_checkpoints(dir_a: str | Path, dir_b: str | Path) -> Bisection:
             hi = mid
     last_equal = steps[lo] if lo >= 0 else None
     pair = {"a": a[steps[lo]], "b": b[steps[lo]]} if lo >= 0 else None
-    return Bisection(steps, last_equal, steps[hi], compared, pair)
+    return Bisection(steps, last_equal, steps[hi], compared, pair, differing[hi])
 
 
 Replay = Callable[[str, "Path | None", DivergenceProbe], Any]
