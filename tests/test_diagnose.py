@@ -153,7 +153,7 @@ def test_bad_files_exit_2(suite, tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**data, "parameters": {"x": ""}}))
     cases = [
-        (baseline, "not a probe file (expected a DivergenceProbe JSON with 'format': 1) (a NumericalBaseline file?"),
+        (baseline, "not a probe file (expected a DivergenceProbe JSON with 'format': 2) (a NumericalBaseline file?"),
         (later, "no step in common: A recorded [0, 1, 2], B [10, 11, 12]"),
         (other, "different parameters (another model?)"),
         (tmp_path, "is a directory, not a probe file"),

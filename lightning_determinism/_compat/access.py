@@ -76,6 +76,20 @@ def dtensor_local(tensor: Any) -> Any:
     return _private(tensor, "_local_tensor")
 
 
+def is_strided_shard(placement: Any) -> bool:
+    """Whether a DTensor placement is FSDP2 x tensor parallel's ``_StridedShard`` (its ``is_shard()`` says no)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def strided_shard_like(placement: Any, dim: int) -> Any:
+    """A ``_StridedShard`` with ``placement``'s split factor on dimension ``dim``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=placement.split_factor)
+
+
 def dtensor_op_handlers() -> dict[Any, Any]:
     """DTensor's per-op handlers (op -> ``handler(op, args, kwargs)``), consulted before its own dispatch."""
     from torch.distributed.tensor import DTensor
@@ -193,6 +207,7 @@ __all__ = [
     "dump_checkpoint",
     "fabric_inner_loader",
     "fabric_iterations",
+    "is_strided_shard",
     "keep_dtensor_tracker_from_syncing",
     "keep_ignored_after_teardown",
     "launcher_start_method",
@@ -202,6 +217,7 @@ __all__ = [
     "set_fabric_iterations",
     "should_accumulate",
     "slurm_requeue",
+    "strided_shard_like",
     "swap_launcher",
     "teardown_trainer",
     "trainer_results",

@@ -234,6 +234,10 @@ PIECES: tuple[Piece, ...] = (
           and hasattr(_lookup("torch.distributed.tensor:DTensor"), "_op_dispatcher")
           and _exists("torch.distributed.tensor._dtensor_spec:DTensorSpec", "mesh", "placements", "tensor_meta")()
           and _exists("torch.distributed.tensor._dtensor_spec:TensorMeta", "shape", "stride", "dtype")()),
+    Piece("torch.distributed.tensor.placement_types._StridedShard(dim, split_factor=)",
+          "FSDP2 over a tensor-parallel parameter places it with _StridedShard, which is_shard() does not report; a"
+          " shard's digest needs its elements' global positions",
+          _exists("torch.distributed.tensor.placement_types:_StridedShard", "dim")),
     Piece("torch.distributed.tensor._random._rng_tracker, OffsetBasedRNGTracker(device_mesh, run_state_sync),"
           " is_rng_supported_mesh",
           "on CUDA the tracker DTensor creates at its first random op broadcasts rank 0's generator state, undoing"

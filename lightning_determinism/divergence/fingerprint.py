@@ -1,6 +1,8 @@
 """Fingerprints: one sha256 that says whether two models, optimizers or tensor collections are bitwise equal.
 
-This module is a leaf: it knows torch, not Lightning.
+Each tensor enters as its dtype, shape and sharding-invariant digest (:mod:`.tensor_digest`), computed where it
+lives: a sharded model (FSDP2, tensor parallel) is fingerprinted shard by shard, without gathering a parameter, to
+the value one process gets for the same tensors. This module knows torch, not Lightning.
 """
 
 from __future__ import annotations
@@ -12,11 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor / FSDP2) tensor as its full value; anything else as it is."""
-    full = getattr(tensor, "full_tensor", None)
-    return full() if callable(full) else tensor
+from lightning_determinism.divergence.tensor_digest import digests
 
 
 def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -53,8 +51,10 @@ def named_tensors(obj: Any) -> dict[str, Any]:
 def fingerprint(obj: Any) -> str:
     """sha256 over every tensor (and plain value) of ``obj``: names sorted, then dtype, shape and bytes.
 
-    The same on every rank and run for equal contents; different when any bit differs. Sharded parameters
-    (``DTensor``, FSDP2) are hashed as their full tensors (a collective: call it on every rank).
+    The same on every rank and run for equal contents; different when any bit differs (see :mod:`.tensor_digest`
+    for the bound on collisions). Sharded parameters (``DTensor``: FSDP2, tensor parallel) are digested shard by
+    shard, never gathered, and give what the same tensors give on one process (a collective: call it on every
+    rank).
 
     Args:
         obj: a ``nn.Module`` (its ``state_dict``), an optimizer (its ``state_dict``), a tensor, or a dict/list/tuple
@@ -76,13 +76,17 @@ def fingerprint(obj: Any) -> str:
         >>> fingerprint(a) == fingerprint(b)
         False
     """
+    return _fingerprint(sorted(named_tensors(obj).items()))
+
+
+def _fingerprint(items: list[tuple[str, Any]]) -> str:
+    tensors = [value for _, value in items if isinstance(value, torch.Tensor)]
+    found = iter(digests(tensors))
     digest = hashlib.sha256()
-    for name, value in sorted(named_tensors(obj).items()):
+    for name, value in items:
         digest.update(name.encode())
         if isinstance(value, torch.Tensor):
-            tensor = _full(value).detach().cpu().contiguous()
-            digest.update(f"|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            digest.update(f"|{value.dtype}|{tuple(value.shape)}|{next(found)}|".encode())
         else:
             digest.update(f"|{type(value).__name__}|{value!r}|".encode())
     return digest.hexdigest()
@@ -95,7 +99,14 @@ def tensor_fingerprints(obj: Any) -> dict[str, str]:
         >>> sorted(tensor_fingerprints(torch.nn.Linear(2, 1)))
         ['bias', 'weight']
     """
-    return {name: fingerprint(value) for name, value in named_tensors(obj).items() if isinstance(value, torch.Tensor)}
+    named = [(name, value) for name, value in named_tensors(obj).items() if isinstance(value, torch.Tensor)]
+    found = iter(digests([value for _, value in named]))  # one collective for all sharded tensors
+    return {name: _fingerprint_of_digest(value, next(found)) for name, value in named}
+
+
+def _fingerprint_of_digest(tensor: torch.Tensor, digest: str) -> str:
+    """What :func:`fingerprint` gives for ``tensor`` alone, from its digest."""
+    return hashlib.sha256(f"|{tensor.dtype}|{tuple(tensor.shape)}|{digest}|".encode()).hexdigest()
 
 
 __all__: Sequence[str] = ["fingerprint", "named_tensors", "tensor_fingerprints"]

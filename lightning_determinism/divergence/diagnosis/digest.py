@@ -1,7 +1,10 @@
 """Digests: exact, cheap hashes of tensors, batches and random states, and the small numbers beside them.
 
-A digest is a sha256 hash, cut to 16 bytes (32 hex digits), of a value's dtype, shape and raw bytes: equal for the
-same bits, different when one bit differs, never a comparison within a tolerance. The probe keeps digests, not
+A digest is a sha256 hash, cut to 16 bytes (32 hex digits), of a value's structure, and of each tensor's dtype, shape
+and position-keyed digest (:mod:`~lightning_determinism.divergence.tensor_digest`), computed on the tensor's device:
+16 bytes per tensor reach the host, not the tensor; a ``DTensor`` adds its shard's part at the elements' global
+positions (no communication), so the shards' parts of one activation add up to the whole tensor's digest. Equal for
+the same bits, different when one bit differs, never a comparison within a tolerance. The probe keeps digests, not
 tensors, so its file stays small; beside them it keeps a float64 norm, to say how far apart two runs are once their
 digests differ.
 
@@ -19,18 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_determinism.divergence.tensor_digest import hex_digest, shard_lanes
+
 _MASK = (1 << 64) - 1
 
 
 def _update(h: Any, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
-        tensor = obj.detach()
-        if tensor.layout != torch.strided:
-            tensor = tensor.to_dense()
-        tensor = tensor.cpu().contiguous()
-        h.update(f"T|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        if tensor.numel():
-            h.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        h.update(f"T|{obj.dtype}|{tuple(obj.shape)}|{hex_digest(shard_lanes(obj))}|".encode())
     elif isinstance(obj, Mapping):
         h.update(b"{")
         for key in sorted(obj, key=str):

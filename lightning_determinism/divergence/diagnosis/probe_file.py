@@ -4,7 +4,7 @@ Written by :class:`~lightning_determinism.divergence.diagnosis.recorder.ProbeRec
 rank's records; whole or not at all, by :func:`~lightning_determinism.checkpoints.atomic.write_atomically`), read by
 :func:`~lightning_determinism.divergence.diagnosis.diagnose.diagnose` and the command line. JSON::
 
-    {"format": 1, "kind": "divergence-probe", "world_size": W, "invariant": {"global_batch_size", "micro_batch_size"}
+    {"format": 2, "kind": "divergence-probe", "world_size": W, "invariant": {"global_batch_size", "micro_batch_size"}
      or null, "modules": {path: type}, "parameters": {name: owner module path}, "report": determinism_report(),
      "steps": [{"step": s, "micro_batches_per_rank": K,
                 "before": {"params": {name: rec}, "optimizers": [opt]}        # where a recorded window starts
@@ -29,8 +29,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-FORMAT = 1
-"""The version of the probe file format written."""
+FORMAT = 2
+"""The version of the probe file format written (2: tensors digested by position, on their device)."""
 KIND = "divergence-probe"
 """The ``kind`` of a probe file (a NumericalBaseline file has none)."""
 
@@ -60,10 +60,17 @@ def load_probe(path: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ProbeFileError(f"{path}: not a probe file (not JSON: {err})") from None
+    if isinstance(data, dict) and data.get("kind") == KIND and data.get("format") != FORMAT:
+        raise ProbeFileError(
+            f"{path}: a probe file of format {data.get('format')!r}, this version reads format {FORMAT} (its digests"
+            " are computed otherwise): record both runs with the same lightning_determinism version"
+        )
     if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
         baseline = isinstance(data, dict) and "kind" not in data and isinstance(data.get("steps"), list)
         hint = " (a NumericalBaseline file? `lightning-determinism compare` reads those)" if baseline else ""
-        raise ProbeFileError(f"{path}: not a probe file (expected a DivergenceProbe JSON with 'format': 1){hint}")
+        raise ProbeFileError(
+            f"{path}: not a probe file (expected a DivergenceProbe JSON with 'format': {FORMAT}){hint}"
+        )
     steps = data.get("steps")
     if not isinstance(steps, list) or not steps:
         raise ProbeFileError(f"{path}: the probe recorded no step (the run ended before its first recorded step?)")

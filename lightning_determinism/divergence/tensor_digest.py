@@ -1,0 +1,328 @@
+"""Tensor digests that do not depend on how a tensor is sharded, computed where it lives, shard by shard.
+
+A tensor's digest is two 64-bit lanes; lane ``L`` is the sum, modulo 2**64, over its elements of
+
+    mix(bits(x[i]) XOR (i * salt_L mod 2**64))
+
+where ``i`` is the element's flat index in the *whole* tensor, ``bits`` its raw bits as an integer and ``mix`` the
+splitmix64 finaliser, a bijection of 64-bit words. The sum does not care in which order, on which rank or in how
+many pieces the terms are added, so a shard adds the terms of its own elements (their global indices are known from
+its placements) and the shards' partial sums add up to the digest of the whole tensor: the same value on one
+process, under FSDP2 (``Shard(0)`` chunks, uneven ones too), tensor parallel (``Shard(0)``, ``Shard(1)``), both
+(``_StridedShard``), on CPU or a GPU, without gathering a parameter (memory: the shard plus a bounded chunk of
+64-bit words). Only 16 bytes per tensor leave a device; ranks exchange the partial sums of all tensors in one
+``all_gather``.
+
+Exactness and collisions: one differing element always changes both lanes (its term is a bijection of its bits, the
+other terms are unchanged). Two tensors of the same dtype and shape differing in several elements collide only if
+their terms' differences cancel in both lanes; modelling ``mix`` as a random function, that happens with
+probability about 2**-128 per pair of tensors (2**-64 per lane). Not a cryptographic hash: it detects accidents
+(another reduction order, a dropped all-reduce), not an adversary. Throughput against hashlib's sha256:
+``benchmarks/tensor_digest.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_MASK = (1 << 64) - 1
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers
+SALTS = (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03)  # one odd multiplier per lane: position i's key is i * salt
+CHUNK = 1 << 17  # elements per pass: 64-bit temporaries of 1 MiB each (near the cache), whatever the size
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _signed(value: int) -> int:
+    """A 64-bit word as the int64 torch stores."""
+    value &= _MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _mix_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 words, in place (wrapping arithmetic): a bijection of each word."""
+    for shift, multiplier in ((30, _C1), (27, _C2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=scratch)  # arithmetic; the mask makes it logical
+        scratch.bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(scratch)
+        if multiplier is not None:
+            z.mul_(_signed(multiplier))
+    return z
+
+
+def _mix_int(z: int) -> int:
+    """The same finaliser on a python int (the reference for tests and small values)."""
+    z &= _MASK
+    z = ((z ^ (z >> 30)) * _C1) & _MASK
+    z = ((z ^ (z >> 27)) * _C2) & _MASK
+    return z ^ (z >> 31)
+
+
+def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements' bits as a flat integer view (no copy of a contiguous tensor), and int64 words per element."""
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    tensor = tensor.contiguous().reshape(-1)
+    width = tensor.element_size()
+    if width in _INT_OF_WIDTH:
+        return tensor.view(_INT_OF_WIDTH[width]), 1
+    return tensor.view(torch.int64), width // 8  # complex128: two words per element
+
+
+class Positions:
+    """The global flat index of each element of a shard, computed a chunk at a time (memory O(chunk)).
+
+    ``along[d]``: the global positions along dimension ``d`` that the shard holds, in order; ``shape``: the whole
+    tensor's.
+    """
+
+    def __init__(self, along: Sequence[torch.Tensor], shape: Sequence[int]) -> None:
+        self.along = list(along)
+        self.local_shape = [int(a.numel()) for a in self.along]
+        self.global_strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            self.global_strides[d] = self.global_strides[d + 1] * int(shape[d + 1])
+
+    def of(self, elements: torch.Tensor) -> torch.Tensor:
+        """The global flat indices of the shard's elements ``elements`` (row-major local flat indices)."""
+        index = torch.zeros_like(elements)
+        rest = elements
+        for d in range(len(self.along) - 1, -1, -1):
+            size = self.local_shape[d]
+            index += self.along[d].to(elements.device)[rest % size] * self.global_strides[d]
+            rest = rest // size
+        return index
+
+
+def partial_sums(local: torch.Tensor, positions: Positions | None = None) -> tuple[int, int]:
+    """The two lanes' sums (python ints mod 2**64) over ``local``'s elements at their global positions.
+
+    ``positions`` defaults to the tensor being whole (element ``e`` at index ``e``). Memory: ``local`` itself (a copy
+    if it is not contiguous) and a few 64-bit words per element of one chunk of :data:`CHUNK` elements.
+    """
+    words, per = _words(local)
+    sums = [0, 0]
+    for start in range(0, words.numel(), CHUNK):
+        chunk = words[start : start + CHUNK].to(torch.int64)
+        element = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        if positions is None:
+            index = element
+        else:
+            index = positions.of(element // per) * per + element % per
+        z, scratch = torch.empty_like(chunk), torch.empty_like(chunk)
+        for lane, salt in enumerate(SALTS):
+            torch.mul(index, _signed(salt), out=z)  # the position's key (a bijection of the position)
+            z.bitwise_xor_(chunk)
+            sums[lane] = (sums[lane] + int(_mix_(z, scratch).sum())) & _MASK  # int64 sums wrap: exact mod 2**64
+    return sums[0], sums[1]
+
+
+def combine(parts: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The lanes of a tensor from the partial sums of its shards (each element counted in exactly one)."""
+    return sum(p[0] for p in parts) & _MASK, sum(p[1] for p in parts) & _MASK
+
+
+def hex_digest(lanes: tuple[int, int]) -> str:
+    """Two lanes as 32 hex digits."""
+    return f"{lanes[0]:016x}{lanes[1]:016x}"
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (without importing torch.distributed.tensor)."""
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "placements")
+
+
+def _splits(placement: Any) -> bool:
+    """Whether a placement splits the tensor (``Shard``, or FSDP2 x tensor parallel's ``_StridedShard``)."""
+    from lightning_determinism._compat.access import is_strided_shard
+
+    return bool(placement.is_shard() or is_strided_shard(placement))
+
+
+def _global_index(tensor: Any) -> Positions:
+    """Where this rank's shard lies in the whole tensor, per dimension (no communication; O(size of a dimension))."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_determinism._compat.access import dtensor_local, is_strided_shard, strided_shard_like
+
+    local = dtensor_local(tensor)
+    shape = tuple(tensor.shape)
+    along = []
+    for d in range(len(shape)):
+        splits = [i for i, p in enumerate(tensor.placements) if _splits(p) and p.dim % max(len(shape), 1) == d]
+        positions = torch.arange(shape[d], dtype=torch.int64, device=local.device)
+        if splits:  # this dimension's placements applied to its positions alone (sharding is separable by dimension)
+            placements = [
+                (strided_shard_like(p, 0) if is_strided_shard(p) else Shard(0)) if i in splits else Replicate()
+                for i, p in enumerate(tensor.placements)
+            ]
+            positions = dtensor_local(distribute_tensor(positions, tensor.device_mesh, placements, src_data_rank=None))
+        along.append(positions)
+    return Positions(along, shape)
+
+
+def owns(tensor: Any) -> bool:
+    """Whether this rank adds its shard: the first replica along every dimension the tensor is replicated on."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(_splits(p) or c == 0 for p, c in zip(tensor.placements, coordinate, strict=True))
+
+
+def _without_partial(tensor: Any) -> Any:
+    """A ``DTensor`` with pending reductions (``Partial``) reduced: their sum is its value (a collective)."""
+    if not is_dtensor(tensor) or not any(p.is_partial() for p in tensor.placements):
+        return tensor
+    from torch.distributed.tensor import Replicate
+
+    return tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
+
+
+def shard_lanes(tensor: torch.Tensor) -> tuple[int, int]:
+    """This rank's part of ``tensor``'s lanes, on every replica (no communication).
+
+    A ``DTensor``: its local shard at its global positions (``Partial`` values as they are); a plain tensor: whole.
+    """
+    if not is_dtensor(tensor):
+        return partial_sums(tensor)
+    from lightning_determinism._compat.access import dtensor_local
+
+    local = dtensor_local(tensor)
+    if not any(_splits(p) for p in tensor.placements):
+        return partial_sums(local)
+    return partial_sums(local, _global_index(tensor))
+
+
+def local_lanes(tensor: torch.Tensor) -> tuple[int, int]:
+    """This rank's partial sums of ``tensor`` (a ``DTensor``: its shard, zero on replicas; else the whole)."""
+    if not is_dtensor(tensor):
+        return partial_sums(tensor)
+    tensor = _without_partial(tensor)
+    if not owns(tensor):
+        return 0, 0
+    from lightning_determinism._compat.access import dtensor_local
+
+    local = dtensor_local(tensor)
+    if not any(_splits(p) for p in tensor.placements):
+        return partial_sums(local)
+    return partial_sums(local, _global_index(tensor))
+
+
+def _local_parts(tensors: Sequence[torch.Tensor], local: Any) -> list[Any]:
+    """Each tensor's ``local(part)``: a ``DTensor``'s shard on its owner, ``None`` on its other replicas."""
+    from lightning_determinism._compat.access import dtensor_local
+
+    parts = []
+    for tensor in tensors:
+        tensor = _without_partial(tensor)
+        if not is_dtensor(tensor):
+            parts.append(local(tensor))
+        elif owns(tensor):
+            parts.append(local(dtensor_local(tensor)))
+        else:
+            parts.append(None)
+    return parts
+
+
+def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]) -> list[list[list[int]]]:
+    """All-gather each tensor's row of int64 words (one collective for all); per tensor, its mesh's ranks' rows.
+
+    A plain tensor, or any without a process group: only this rank's row.
+    """
+    sharded = [i for i, t in enumerate(tensors) if is_dtensor(t)]
+    out = [[row] for row in rows]
+    if not sharded or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return out
+    mine = torch.tensor([rows[i] for i in sharded], dtype=torch.int64)
+    if "nccl" in str(dist.get_backend()):
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    gathered = [g.cpu() for g in gathered]
+    for row, i in enumerate(sharded):
+        out[i] = [gathered[r][row].tolist() for r in tensors[i].device_mesh.mesh.flatten().tolist()]
+    return out
+
+
+def full_norms(tensors: Sequence[torch.Tensor | None]) -> list[float | None]:
+    """The 2-norm of each whole tensor; ``None`` for ``None`` (a parameter without a gradient).
+
+    A ``DTensor``'s without gathering it: its owners' float64 sums of squares, combined over its mesh (one collective
+    for all).
+
+    Examples:
+        >>> full_norms([torch.tensor([3.0, 4.0]), None])
+        [5.0, None]
+    """
+    present = [t for t in tensors if t is not None]
+
+    def squares(t: torch.Tensor) -> float:
+        return float(t.detach().double().square().sum())
+
+    parts = [p if p is not None else 0.0 for p in _local_parts(present, squares)]
+    rows = [[int(torch.tensor(p, dtype=torch.float64).view(torch.int64))] for p in parts]
+    combined = _combined_over_meshes(present, rows)
+    values = iter(
+        math.sqrt(math.fsum(float(torch.tensor(r[0], dtype=torch.int64).view(torch.float64)) for r in rows_of))
+        for rows_of in combined
+    )
+    return [next(values) if t is not None else None for t in tensors]
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The digest of each tensor (32 hex digits); with ``DTensor``s among them a collective: call it on every rank.
+
+    Sharded tensors are combined over the ranks of their device mesh, in one ``all_gather`` for all of them.
+
+    Examples:
+        >>> x = torch.arange(6.0).reshape(2, 3)
+        >>> digests([x])[0] == digests([x.clone()])[0], digests([x])[0] == digests([x.T.contiguous().T])[0]
+        (True, True)
+        >>> digests([x])[0] == digests([x.reshape(3, 2)])[0]  # the flat order only: add dtype and shape beside it
+        True
+    """
+    lanes = [local_lanes(t) for t in tensors]
+    rows = [[_signed(a), _signed(b)] for a, b in lanes]
+    combined = _combined_over_meshes(tensors, rows)
+    lanes = [combine([(r[0], r[1]) for r in rows_of]) for rows_of in combined]
+    return [hex_digest(lane) for lane in lanes]
+
+
+def digest_of(tensor: torch.Tensor) -> str:
+    """One tensor's digest (see :func:`digests`; a collective for a ``DTensor``)."""
+    return digests([tensor])[0]
+
+
+def reference_digest(tensor: torch.Tensor) -> str:
+    """The digest computed element by element in python (slow; the independent reference for tests)."""
+    words, per = _words(tensor)
+    lanes = [0, 0]
+    for position, word in enumerate(words.tolist()):
+        for lane, salt in enumerate(SALTS):
+            key = (position * salt) & _MASK
+            lanes[lane] = (lanes[lane] + _mix_int((word & _MASK) ^ key)) & _MASK
+    del per
+    return hex_digest((lanes[0], lanes[1]))
+
+
+__all__ = [
+    "CHUNK",
+    "Positions",
+    "SALTS",
+    "combine",
+    "digest_of",
+    "digests",
+    "full_norms",
+    "hex_digest",
+    "is_dtensor",
+    "local_lanes",
+    "owns",
+    "partial_sums",
+    "shard_lanes",
+    "reference_digest",
+]
