@@ -3,15 +3,13 @@ parallel (2 x 2). A model with dropout on a sharded activation (under `get_rng_t
 replicated one, Adam, 2 epochs, a distributed checkpoint every 5 steps (scripts/model_parallel_run.py)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_determinism.parallel.mesh import equalize_threads, mesh_topology
-from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -24,28 +22,10 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Three child processes side by side: the configurations, a Fabric loop, and the mixin's rule before it followed
-    the mesh (base + rank everywhere), for the replica guard."""
-    root = tmp_path_factory.mktemp("model-parallel")
-    (root / "fabric").mkdir()
-    old_config = json.dumps([{"name": "old", "dp": 1, "tp": 2}])
-    commands = {
-        "main": ([str(SCRIPT), str(root), json.dumps(CONFIGS)], {}),
-        "fabric": ([str(FABRIC), str(root / "fabric")], {}),
-        "old": ([str(SCRIPT), str(root / "old"), old_config], {"GUARD": "off"}),
-    }
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(**env)
-        )  # fmt: skip
-        for name, (args, env) in commands.items()
-    }
-    done = {name: (proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for name, proc in procs.items()}
-    for name in ("main", "fabric"):
-        assert done[name][1] == 0, f"{name}: " + done[name][0][-5000:]
-    return root, done["old"]
+@pytest.fixture
+def runs(model_parallel_runs):
+    """conftest.py's runs of CONFIGS (test_multinode.py compares its torchrun nodes with dp2tp2's straight run)."""
+    return model_parallel_runs
 
 
 def ranks(root, name, run="straight", count=None):
