@@ -37,7 +37,7 @@ def _run(*args: str, with_stderr: bool = False, example: Path = EXAMPLE) -> str:
     return _finish(_start(*args, example=example), with_stderr)
 
 
-SMALL = ("--sentences", "500")  # a smaller corpus than the README's run: the same code, a third of the time
+SMALL = ("--sentences", "250")  # a smaller corpus than the README's run: the same code, a sixth of the time
 
 
 @pytest.mark.distributed
