@@ -1,13 +1,12 @@
 """Two torchrun 'nodes' on localhost.
 
-DDP, one process per node: global ranks 0 and 1 get base + 0 and base + 1. The 2 x 2 model-parallel layout, two
-processes per node (scripts/model_parallel_torchrun.py): tensor parallel inside a node, data parallel across the
-nodes, bitwise the same config's straight run forked in one process (conftest.py's model_parallel_runs, which
-test_model_parallel_strategy.py checks).
+Two processes per node, one launch (scripts/model_parallel_torchrun.py; each process spends most of its time
+importing): first DDP, where global ranks 0 .. 3 get base + 0 .. base + 3; then the 2 x 2 model-parallel layout,
+tensor parallel inside a node, data parallel across the nodes, bitwise the same config's straight run forked in one
+process (conftest.py's model_parallel_runs, which test_model_parallel_strategy.py checks).
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from tests.lightning_models import read_records, reference_draws
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = Path(__file__).parent / "scripts"
-SCRIPT = SCRIPTS / "torchrun_fit.py"
 TERM_GRACE_S = 60  # a torchrun agent gives its workers 30 s to end
 
 
@@ -78,27 +76,27 @@ def _finish(procs: list[subprocess.Popen]) -> list[str]:
     return outputs
 
 
-def test_two_nodes_with_torchrun(tmp_path):
-    env = {**os.environ, "PL_GLOBAL_SEED": "31", "OMP_NUM_THREADS": "1"}
-    _finish(_nodes(SCRIPT, [str(tmp_path)], 1, env))
-    records = read_records(tmp_path, 2)
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory, model_parallel_runs):
+    """One launch of two torchrun nodes x 2 processes: a DDP fit, then the 2 x 2 config; and the 2 x 2 config's
+    straight run forked in one process (conftest.py)."""
+    root, ddp = tmp_path_factory.mktemp("two-by-two"), tmp_path_factory.mktemp("ddp")
+    config = next(config for config in model_parallel.CONFIGS if config["name"] == "dp2tp2")
+    config = json.dumps({key: config[key] for key in ("name", "dp", "tp")})
+    env = child_env(OMP_NUM_THREADS="1", PL_GLOBAL_SEED="31")
+    _finish(_nodes(SCRIPTS / "model_parallel_torchrun.py", [str(root), config, str(ddp)], 2, env))
+    nodes = [json.loads((root / "dp2tp2" / f"rank{r}.json").read_text()) for r in range(4)]
+    forked = model_parallel.ranks(model_parallel_runs[0], "dp2tp2")
+    return model_parallel_runs[0] / "dp2tp2", nodes, forked, ddp
+
+
+def test_ddp_on_two_nodes_gives_every_rank_base_plus_its_global_rank(two_by_two):
+    records = read_records(two_by_two[3], 4)
     for rank, record in enumerate(records):
         assert record["rank"] == rank
         assert (record["base_seed"], record["local_seed"]) == (31, 31 + rank)
         assert record["draws"] == reference_draws(31 + rank)
-    assert records[0]["init_digest"] == records[1]["init_digest"]
-
-
-@pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory, model_parallel_runs):
-    """The 2 x 2 config on two torchrun nodes, and its straight run forked in one process (conftest.py)."""
-    root = tmp_path_factory.mktemp("two-by-two")
-    config = next(config for config in model_parallel.CONFIGS if config["name"] == "dp2tp2")
-    config = json.dumps({key: config[key] for key in ("name", "dp", "tp")})
-    _finish(_nodes(SCRIPTS / "model_parallel_torchrun.py", [str(root), config], 2, child_env(OMP_NUM_THREADS="1")))
-    nodes = [json.loads((root / "dp2tp2" / f"rank{r}.json").read_text()) for r in range(4)]
-    forked = model_parallel.ranks(model_parallel_runs[0], "dp2tp2")
-    return model_parallel_runs[0] / "dp2tp2", nodes, forked
+    assert len({record["init_digest"] for record in records}) == 1
 
 
 def test_each_node_holds_one_tensor_parallel_group(two_by_two):
@@ -130,14 +128,14 @@ def test_the_data_parallel_ranks_across_the_nodes_draw_their_own_masks_and_sampl
 
 
 def test_the_gathered_start_is_the_one_process_model(two_by_two):
-    reference, nodes, _ = two_by_two
+    reference, nodes, *_ = two_by_two
     one = json.loads((reference / "one_process.json").read_text())["start"]
     assert {record["start"] for record in nodes} == {one}
     assert all(record["dtensor_routed"] for record in nodes)
 
 
 def test_the_nodes_train_the_bits_of_the_run_forked_in_one_process(two_by_two):
-    _, nodes, forked = two_by_two
+    _, nodes, forked, _ = two_by_two
     for rank, (node, fork) in enumerate(zip(nodes, forked, strict=True)):
         assert node["steps"].keys() == fork["steps"].keys()
         for step, record in fork["steps"].items():  # the first step that differs, if any, says where it went apart
