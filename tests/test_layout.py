@@ -67,11 +67,29 @@ def test_a_checkpoint_of_the_flat_layout_reports_and_resumes_to_the_same_bits(tm
     trainer.fit(make.Net(), ckpt_path=checkpoint)  # mid-epoch, written before the move
     expected = json.loads((FIXTURES / "final.json").read_text())
     assert trainer.global_step == expected["global_step"]
-    assert fingerprint(trainer.lightning_module) == expected["fingerprint"]
+    # final.json holds the fingerprint of that version: sha256 over names, dtypes, shapes and raw bytes
+    assert _bytes_fingerprint(trainer.lightning_module) == expected["fingerprint"]
+    assert fingerprint(trainer.lightning_module) != expected["fingerprint"]  # today's digests tensors by position
+
+
+def _bytes_fingerprint(module):
+    """The fingerprint of the version that wrote the fixtures, recomputed from its definition."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(f"|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
 def test_baseline_and_probe_files_of_the_flat_layout_load_and_compare_with_a_run_of_the_new_code(tmp_path):
     from lightning_determinism import DivergenceProbe, NumericalBaseline, compare_baselines, diagnose, load_baseline
+    from lightning_determinism.divergence.diagnosis.probe_file import ProbeFileError
 
     make = _fixture_module()
     callbacks = [
@@ -82,7 +100,10 @@ def test_baseline_and_probe_files_of_the_flat_layout_load_and_compare_with_a_run
     old, new = load_baseline(FIXTURES / "baseline.json"), load_baseline(tmp_path / "baseline.json")
     result = compare_baselines(old, new, rtol=0.0, atol=0.0)
     assert result["first"] is None and len(result["rows"]) == 3  # the new code: the old run's bits, step by step
-    assert diagnose(FIXTURES / "probe.json", tmp_path / "probe.json")["verdict"] == "same"
+    # Probe files are format 2 since tensors are digested by position on their device: format 1 is refused, clearly.
+    with pytest.raises(ProbeFileError, match=r"a probe file of format 1, this version reads format 2"):
+        diagnose(FIXTURES / "probe.json", tmp_path / "probe.json")
+    assert diagnose(tmp_path / "probe.json", tmp_path / "probe.json")["verdict"] == "same"
 
 
 def _fixture_module():
