@@ -183,7 +183,7 @@ def _without_partial(tensor: Any) -> Any:
     return tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
 
 
-def shard_lanes(tensor: torch.Tensor) -> tuple[int, int]:
+def shard_lanes(tensor: Any) -> tuple[int, int]:
     """This rank's part of ``tensor``'s lanes, on every replica (no communication).
 
     A ``DTensor``: its local shard at its global positions (``Partial`` values as they are); a plain tensor: whole.
@@ -198,7 +198,7 @@ def shard_lanes(tensor: torch.Tensor) -> tuple[int, int]:
     return partial_sums(local, _global_index(tensor))
 
 
-def local_lanes(tensor: torch.Tensor) -> tuple[int, int]:
+def local_lanes(tensor: Any) -> tuple[int, int]:
     """This rank's partial sums of ``tensor`` (a ``DTensor``: its shard, zero on replicas; else the whole)."""
     if not is_dtensor(tensor):
         return partial_sums(tensor)
@@ -245,7 +245,8 @@ def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]
     dist.all_gather(gathered, mine)
     gathered = [g.cpu() for g in gathered]
     for row, i in enumerate(sharded):
-        out[i] = [gathered[r][row].tolist() for r in tensors[i].device_mesh.mesh.flatten().tolist()]
+        mesh: Any = getattr(tensors[i], "device_mesh")  # noqa: B009  (a DTensor's; torch.Tensor has none)
+        out[i] = [gathered[r][row].tolist() for r in mesh.mesh.flatten().tolist()]
     return out
 
 
