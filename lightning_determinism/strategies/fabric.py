@@ -196,7 +196,26 @@ class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin,
     Not registered by name: Fabric's strategy takes the user's ``parallelize_fn(module, device_mesh)`` first, as
     ``DeterministicFabricModelParallelStrategy(parallelize_fn, data_parallel_size=..., tensor_parallel_size=...,
     seed=...)``. The rule: :class:`~lightning_determinism.DeterministicModelParallelStrategy`.
+
+    ``fabric.load`` of a distributed checkpoint restores stateful objects (``FabricRNGState``) as Fabric's other
+    strategies do: Fabric's ``ModelParallelStrategy`` put the saved dict in their place in ``state`` instead, so the
+    RNG streams were silently not restored and a resumed loop drew other numbers.
     """
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        stateful = {}
+        if isinstance(state, dict):
+            stateful = {key: obj for key, obj in state.items()
+                        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+                        and callable(getattr(obj, "load_state_dict", None))}  # fmt: skip
+        remainder: dict[str, Any] = super().load_checkpoint(path, state, strict, **kwargs)
+        for key, obj in stateful.items():
+            saved = state[key]
+            if saved is not obj:  # Fabric replaced the object by what was saved for it
+                obj.load_state_dict(saved)
+                state[key] = obj
+        return remainder
 
 
 class DeterministicFabricSingleDeviceStrategy(DeterministicFabricStrategyMixin, SingleDeviceStrategy):

@@ -142,3 +142,12 @@ def test_a_fabric_loop_follows_the_same_rule(runs):
         a, b = (record["steps"][step] for record in records)
         assert a["draws"]["default"] == b["draws"]["default"] and a["draws"]["fork"] != b["draws"]["fork"]
         assert a["replicated"] == b["replicated"]
+
+
+def test_a_fabric_loop_resumes_bitwise_from_its_distributed_checkpoint(runs):
+    for rank in range(2):
+        record = json.loads((runs[0] / "fabric" / f"rank{rank}.json").read_text())
+        straight = {step: value for step, value in record["steps"].items() if int(step) > 4}
+        assert record["resumed"]["steps"] == straight and len(straight) == 4
+        assert record["resumed"]["final"] == record["final"]
+    assert (runs[0] / "fabric" / "step4").is_dir()  # Fabric's distributed checkpoint directory
