@@ -57,10 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("path", nargs="?", help="a Lightning checkpoint or a NumericalBaseline JSON file")
     report.add_argument("--json", action="store_true", help="print the raw report as JSON")
-    compare = sub.add_parser("compare", help="compare two NumericalBaseline files; exit 1 when they differ")
-    compare.add_argument("a", help="the reference baseline (JSON)")
-    compare.add_argument("b", help="the baseline to check (JSON)")
-    compare.add_argument("--plot", metavar="OUT.png", help="draw both loss curves and the per-step divergence")
+    compare = sub.add_parser(
+        "compare",
+        help="compare two or more NumericalBaseline files with the first; exit 1 when any differs",
+        description="Each run against the first (the reference): its first step and quantity beyond tolerance, or"
+        " 'within tolerance'; then its peak memory and communication time.",
+    )
+    compare.add_argument("files", nargs="+", metavar="FILE", help="baselines (JSON); the first is the reference")
+    compare.add_argument("--plot", metavar="OUT.png", help="draw the loss curves and the per-step divergence")
+    compare.add_argument("--json", action="store_true", help="print the table as one JSON object")
     for name, what in (("rtol", "relative"), ("atol", "absolute")):
         compare.add_argument(
             f"--{name}", type=_tolerance, help=f"{what} tolerance (default: {_DEFAULT_TOLERANCES[name]})"
@@ -85,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The input files of each subcommand, and what each should be (for the message when it is a directory).
 _INPUTS = {
     "report": (("path", "checkpoint or baseline file"),),
-    "compare": (("a", "baseline file"), ("b", "baseline file")),
+    "compare": (("files", "baseline file"),),
     "diagnose": (("a", "probe file"), ("b", "probe file")),
 }
 
@@ -130,11 +135,16 @@ def check_inputs(args: argparse.Namespace) -> None:
         ...
         _lightning_determinism_cli.UsageError: a.json: no such file
     """
+    if args.command == "compare" and len(args.files) < 2:
+        raise UsageError(
+            f"compare needs two or more baseline files (the first is the reference), got {len(args.files)}"
+        )
     for name, kind in _INPUTS[args.command]:
-        path = getattr(args, name)
-        problem = None if path is None else _unusable_input(path, kind)
-        if problem:
-            raise UsageError(problem)
+        given = getattr(args, name)
+        for path in given if isinstance(given, list) else [given]:
+            problem = None if path is None else _unusable_input(path, kind)
+            if problem:
+                raise UsageError(problem)
     plot = getattr(args, "plot", None)
     if plot:
         parent = os.path.dirname(plot) or "."

@@ -63,10 +63,17 @@ def recorded(tmp_path):
 
 def test_record_writes_every_quantity(recorded):
     data = json.loads(recorded.read_text())
-    assert data["format"] == 1 and data["world_size"] == 1 and len(data["steps"]) == 5
+    assert data["format"] == 2 and data["world_size"] == 1 and len(data["steps"]) == 5
     step = data["steps"][0]
     names = {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
-    assert set(step["grad_norms"]) == set(step["param_norms"]) == set(step["param_fingerprints"]) == names
+    assert set(step["grad_norms"]) == set(step["param_norms"]) == set(step["param_digests"]) == names
+    assert all(re.fullmatch("[0-9a-f]{32}", d) for d in step["param_digests"].values())
+    assert step["peak_memory_bytes"][0] > 0 and len(step["comm_seconds"]) == 1
+    run = data["run"]
+    assert run["torch"] == torch.__version__ and run["lightning"] == L.__version__ and run["seed"] == 2
+    assert run["strategy"] == "DeterministicSingleDeviceStrategy" and run["precision"] == "32-true"
+    assert run["device"] == "cpu" and run["world_size"] == 1 and run["mesh"] is None
+    assert run["batch_shape"] == [[8, 6], [8, 1]] and run["memory"] == "cpu_peak_rss_of_process"
     assert math.isclose(step["grad_norm"], math.sqrt(sum(v * v for v in step["grad_norms"].values())))
 
 

@@ -2,9 +2,10 @@
 
 The Trainer's form of :class:`~lightning_determinism.divergence.baseline_recorder.BaselineRecorder` (see there for the
 method and the file format): gradient norms are taken after DDP's all-reduce, just before the optimizer step; parameter
-norms and fingerprints just after it. The loss of a step is the mean of the losses of all its micro-batches (every
-batch of the accumulation window) on all ranks, from exact sums: the same bits on any world size when the
-micro-batch losses are the same.
+norms and digests just after it; a step begins at its first batch (for its peak memory and communication time). The
+run's strategy, launcher, precision and device mesh go into the file's ``"run"`` entry. The loss of a step is the
+mean of the losses of all its micro-batches (every batch of the accumulation window) on all ranks, from exact sums:
+the same bits on any world size when the micro-batch losses are the same.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_determinism._compat.access import device_mesh_of
 from lightning_determinism.divergence.baseline_recorder import BaselineMismatch, BaselineRecorder
+from lightning_determinism.divergence.run_metadata import mesh_description
 
 
 class NumericalBaseline(BaselineRecorder, Callback):
@@ -31,6 +34,7 @@ class NumericalBaseline(BaselineRecorder, Callback):
         on_mismatch: ``"raise"`` (:class:`BaselineMismatch`) or ``"warn"`` (a ``DeterminismWarning``, once).
         nonfinite_equal: count identical NaN/``inf`` values on both sides as equal (by default a non-finite value
             is always a mismatch).
+        comm_every: in ``"record"`` mode, profile the communication of one step in ``comm_every`` (0: never).
 
     In ``"compare"`` mode a run that matches says so once, on rank 0: how many steps and quantities matched within
     which tolerance.
@@ -43,6 +47,27 @@ class NumericalBaseline(BaselineRecorder, Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.start()
+        strategy = trainer.strategy
+        launcher = strategy.launcher
+        start_method = getattr(strategy, "start_method", None)  # the deterministic strategies' own argument
+        self.set_run(
+            strategy=type(strategy).__name__,
+            launcher=None
+            if launcher is None
+            else type(launcher).__name__ + (f" ({start_method})" if start_method else ""),
+            precision=str(trainer.precision),
+        )
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.recording:
+            return
+        if "mesh" not in self.run_info:
+            self.set_run(mesh=mesh_description(device_mesh_of(trainer.strategy)))
+        self.record_batch(batch)
+        self.begin_step(pl_module)
 
     @override
     def on_before_optimizer_step(

@@ -1,6 +1,8 @@
-"""The picture ``lightning-determinism compare --plot`` draws: both loss curves and the per-step divergence.
+"""The picture ``lightning-determinism compare --plot`` draws: the loss curves and the per-step divergence.
 
-Integer steps, the tolerance drawn as a line, the first divergent step marked, non-finite values marked where they
+Two runs: both loss curves and the largest difference of any quantity per step. Three or more: every run's loss
+curve and, per run, the largest relative difference of its gradient norms from the reference's per step. Integer
+steps, the tolerance drawn as a line, each run's first divergent step marked, non-finite values marked where they
 occur, and "bitwise identical" written when the runs are.
 """
 
@@ -121,4 +123,67 @@ def make_figure(result: dict[str, Any], a: str, b: str, rtol: float, atol: float
     return fig
 
 
-__all__ = ["PlotError", "check_plot_path", "draw", "make_figure"]
+def draw_runs(table: dict[str, Any], comparisons: list[dict[str, Any]], out: str) -> None:
+    """Draw the table of three or more runs (``compare_runs``, and its per-run ``comparisons``) into ``out``."""
+    fig = make_runs_figure(table, comparisons)
+    fig.savefig(out)
+    _pyplot().close(fig)
+
+
+def make_runs_figure(table: dict[str, Any], comparisons: list[dict[str, Any]]) -> Any:
+    """The figure of :func:`draw_runs`, not yet saved: loss per step per run; gradient-norm differences per run."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    rtol, atol = table["rtol"], table["atol"]
+    rows = table["runs"]
+    fig, (ax_loss, ax_diff) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    reference = comparisons[0]["rows"]
+    steps = [row["step"] for row in reference]
+    ax_loss.plot(steps, [row["loss_a"] for row in reference], "o-", label=f"{rows[0]['name']} (reference)")
+    markers = ["x--", "s:", "^-.", "v--", "d:", "*-."]
+    for i, (row, result) in enumerate(zip(rows[1:], comparisons, strict=True)):
+        color = f"C{(i + 1) % 10}"  # the same colour for a run in both panels
+        ax_loss.plot(
+            steps, [r["loss_b"] for r in result["rows"]], markers[i % len(markers)], color=color, label=row["name"]
+        )
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(fontsize="small")
+    ax_diff.set_xlabel("step")
+    ax_diff.set_ylabel("max relative difference of\ngradient norms from the reference")
+    ax_diff.xaxis.set_major_locator(MaxNLocator(integer=True))
+    values = [r["max_rel_grad_norms"] for result in comparisons for r in result["rows"]]
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    floor = min([*positive, rtol or 1.0]) / 10
+    if not positive:
+        ax_diff.text(0.5, 0.5, "bitwise identical gradient norms", ha="center", va="center", fontsize=14,
+                     transform=ax_diff.transAxes)  # fmt: skip
+    for i, (row, result) in enumerate(zip(rows[1:], comparisons, strict=True)):
+        finite = [r for r in result["rows"] if math.isfinite(r["max_rel_grad_norms"])]
+        line = ax_diff.semilogy(
+            [r["step"] for r in finite],
+            [max(r["max_rel_grad_norms"], floor) for r in finite],
+            markers[i % len(markers)],
+            color=f"C{(i + 1) % 10}",
+            label=row["name"],
+        )[0]
+        if row["first"] is not None:
+            ax_diff.axvline(row["first"]["step"], color=line.get_color(), linestyle="--", alpha=0.7)
+            ax_loss.annotate(
+                f"{row['name']}: step {row['first']['step']}, {row['first']['name']}",
+                xy=(row["first"]["step"], 1.0 - 0.08 * i),
+                xycoords=("data", "axes fraction"),
+                xytext=(5, -5),
+                textcoords="offset points",
+                va="top",
+                color="red",
+                fontsize="x-small",
+            )
+    if rtol > 0:
+        ax_diff.axhline(rtol, color="tab:red", linestyle=":", label=f"rtol = {rtol:g}")
+    ax_diff.legend(fontsize="x-small", title=f"0 drawn at {floor:.0e}; atol = {atol:g}", title_fontsize="x-small")
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["PlotError", "check_plot_path", "draw", "draw_runs", "make_figure", "make_runs_figure"]

@@ -15,8 +15,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-FORMAT = 1
-"""The version of the file format written (``{"format": 1, "world_size", "steps": [...], "report": {...}}``)."""
+FORMAT = 2
+"""The version of the file format written (``{"format": 2, "world_size", "run": {...}, "steps": [...], "report"}``)."""
+READABLE_FORMATS = (1, 2)
+"""The versions read: format 1 (before whole-tensor norms, digests, costs and the run's metadata) compares as before;
+its ``param_fingerprints`` are not comparable with format 2's ``param_digests`` (no "bitwise" verdict between them)."""
 
 # float32, one process vs DDP on the same global batch: the gradient all-reduce sums in another order (relative
 # error ~1e-7 per step), which a few optimizer steps amplify; 1e-4 relative leaves two orders of magnitude for that
@@ -46,8 +49,16 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BaselineFileError(f"{path}: not a baseline file (not JSON: {err})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("steps"), list):
-        raise BaselineFileError(f"{path}: not a baseline file (expected a NumericalBaseline JSON with 'format': 1)")
+    version = data.get("format") if isinstance(data, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT:
+        raise BaselineFileError(
+            f"{path}: baseline format {version} was written by a newer lightning_determinism; this version reads"
+            f" formats {', '.join(map(str, READABLE_FORMATS))}: upgrade it"
+        )
+    if version not in READABLE_FORMATS or not isinstance(data.get("steps"), list):
+        raise BaselineFileError(
+            f"{path}: not a baseline file (expected a NumericalBaseline JSON with 'format' in {list(READABLE_FORMATS)})"
+        )
     for i, step in enumerate(data["steps"]):
         if not isinstance(step, dict) or "loss" not in step or "grad_norms" not in step:
             raise BaselineFileError(f"{path}: step entry {i} is malformed (needs 'loss' and 'grad_norms')")
@@ -57,10 +68,15 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
 def quantities(reference: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(name, reference value, current value)`` for every compared quantity of one step, in a fixed order."""
     # Per-parameter quantities before the global norm, so that a mismatch names the parameter it starts in.
+    # A quantity whose ranks disagreed (``by_rank``: replicas that must be equal) is compared on each of them.
+    by_rank = current.get("by_rank") or {}
     pairs: list[tuple[str, Any, Any]] = [("loss", reference.get("loss"), current.get("loss"))]
     for group in ("grad_norms", "param_norms"):
         ref_group, cur_group = reference.get(group, {}), current.get(group, {})
-        pairs.extend((f"{group}[{name}]", ref_group[name], cur_group.get(name)) for name in sorted(ref_group))
+        for name in sorted(ref_group):
+            key = f"{group}[{name}]"
+            pairs.append((key, ref_group[name], cur_group.get(name)))
+            pairs.extend((f"{key} on rank {r}", ref_group[name], v) for r, v in enumerate(by_rank.get(key, ())) if r)
     pairs.append(("grad_norm", reference.get("grad_norm"), current.get("grad_norm")))
     return pairs
 
@@ -125,6 +141,14 @@ def _worst(current: float, new: float) -> float:
     return max(current, new)
 
 
+def _same_parameters(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether both steps hold bitwise the same parameters (digests, or format 1's fingerprints, on both sides)."""
+    for key in ("param_digests", "param_fingerprints"):
+        if key in a or key in b:
+            return a.get(key) is not None and a.get(key) == b.get(key) and not b.get("by_rank")
+    return False
+
+
 def compare_baselines(
     a: dict[str, Any], b: dict[str, Any], rtol: float, atol: float, nonfinite_equal: bool = False
 ) -> dict[str, Any]:
@@ -155,11 +179,13 @@ def compare_baselines(
         if names_a != names_b:
             only = sorted(names_a ^ names_b)
             raise BaselineFileError(f"the files hold different parameter sets at step {step_a.get('step')}: {only}")
-        max_abs = max_rel = 0.0
+        max_abs = max_rel = max_rel_grad = 0.0
         for name, x, y in quantities(step_a, step_b):
             compared += 1
             if x is not None and y is not None:
                 max_abs, max_rel = _worst(max_abs, _abs_diff(x, y)), _worst(max_rel, _rel(x, y))
+                if name.startswith("grad_norms["):
+                    max_rel_grad = _worst(max_rel_grad, _rel(x, y))
                 if not (_finite(x) and _finite(y)):
                     nonfinite.append({"step": step_a.get("step"), "name": name, "a": x, "b": y})
             if first is None and differs(x, y, rtol, atol, nonfinite_equal):
@@ -172,7 +198,8 @@ def compare_baselines(
                 "loss_b": step_b["loss"],
                 "max_abs": max_abs,
                 "max_rel": max_rel,
-                "bitwise_params": step_a.get("param_fingerprints") == step_b.get("param_fingerprints"),
+                "max_rel_grad_norms": max_rel_grad,
+                "bitwise_params": _same_parameters(step_a, step_b),
             }
         )
     return {"rows": rows, "first": first, "nonfinite": nonfinite, "compared": compared}

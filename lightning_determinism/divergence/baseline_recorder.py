@@ -19,8 +19,20 @@ have diverged.
 
 :class:`~lightning_determinism.NumericalBaseline` is the same thing as a Trainer callback.
 
-File format (JSON): ``{"format": 1, "world_size", "steps": [{"step", "loss", "grad_norm", "grad_norms": {name: x},
-"param_norms": {name: x}, "param_fingerprints": {name: sha256}}, ...], "report": determinism_report() of rank 0}``.
+Under FSDP2 and tensor parallel (``DTensor`` parameters) every norm is the whole tensor's
+(:func:`~lightning_determinism.divergence.tensor_digest.full_norms`, no gather) and every digest the whole tensor's
+(:func:`~lightning_determinism.divergence.tensor_digest.digests`), so one process, DDP, FSDP2, tensor parallel and
+both record the same quantities. A parameter held whole on several ranks (DDP's replicas, what tensor parallel leaves
+replicated) is checked across them: where the ranks disagree (a skipped all-reduce), every rank's value is kept
+(``"by_rank"``) and compared. In ``"record"`` mode each rank's peak memory and communication time per step are
+measured too (:mod:`.step_costs`).
+
+File format (JSON, ``"format": 2``; format 1 files still read): ``{"format", "world_size", "run": {versions,
+device, mesh, world size, batch shape, seed, strategy, launcher, precision, how memory and communication were
+measured}, "steps": [{"step", "loss", "grad_norm", "grad_norms": {name: x}, "param_norms": {name: x},
+"param_digests": {name: 32 hex}, "by_rank": {quantity: [x per rank]} (only where replicas disagree),
+"peak_memory_bytes": [per rank], "comm_seconds": [per rank, None where not profiled]}, ...], "report":
+determinism_report() of rank 0}``.
 """
 
 from __future__ import annotations
@@ -44,7 +56,14 @@ from lightning_determinism.divergence.baseline_file import (
     load_baseline,
     quantities,
 )
-from lightning_determinism.divergence.fingerprint import fingerprint
+from lightning_determinism.divergence.run_metadata import (
+    batch_shapes,
+    device_description,
+    mesh_description,
+    run_metadata,
+)
+from lightning_determinism.divergence.step_costs import DEFAULT_EVERY, StepCosts
+from lightning_determinism.divergence.tensor_digest import digests, full_norms, is_dtensor
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, normalize, zero_limbs
 from lightning_determinism.seeding.backends import determinism_report
@@ -79,6 +98,61 @@ def _exact_mean_over_ranks(limbs: torch.Tensor, count: int, unusable: int) -> fl
     return exact_mean(normalize(totals[:3]), totals[3])
 
 
+def _device_of(module: torch.nn.Module) -> torch.device:
+    first = next(iter(module.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _whole_norms(tensors: list[Any]) -> list[float | None]:
+    """Each whole tensor's 2-norm (``None`` for ``None``), in float64.
+
+    A ``DTensor``'s by :func:`full_norms` (one collective for all, no gather); a plain tensor's by ``Tensor.norm``, as
+    format 1 did (its bits unchanged: files recorded before still compare bitwise with today's runs).
+    """
+    sharded = [t for t in tensors if t is not None and is_dtensor(t)]
+    found = iter(full_norms(sharded))
+    return [None if t is None else next(found) if is_dtensor(t) else float(t.detach().double().norm()) for t in tensors]
+
+
+def _replica_disagreements(named: list[tuple[str, torch.nn.Parameter]], record: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's norm of each parameter held whole on every rank, for those where the ranks disagree.
+
+    DDP's replicas, and what tensor parallel leaves as plain tensors, must be bitwise equal; a skipped all-reduce
+    shows here at its step and parameter, whichever rank it hit. One ``all_gather`` (none on one process).
+    """
+    if not _distributed():
+        return {}
+    keys = [f"{group}[{name}]" for group in ("grad_norms", "param_norms") for name, p in named if not is_dtensor(p)]
+    if not keys:
+        return {}
+    values = [record[key.split("[", 1)[0]].get(key.split("[", 1)[1][:-1]) for key in keys]
+    mine = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    table = torch.stack([g.cpu() for g in gathered])  # ranks x keys
+    bits = table.view(torch.int64)
+    differ = (bits != bits[:1]).any(dim=0)
+    return {
+        key: [None if math.isnan(v) else v for v in table[:, i].tolist()] for i, key in enumerate(keys) if differ[i]
+    }
+
+
+def _gather_costs(costs: list[tuple[int, float | None]], steps: int) -> list[list[tuple[float, float]]]:
+    """Every rank's ``(peak bytes, communication seconds)`` per step (NaN where there is none), rank by rank."""
+    rows = [(float(c[0]), math.nan if c[1] is None else float(c[1])) for c in costs[:steps]]
+    rows += [(math.nan, math.nan)] * (steps - len(rows))
+    mine = torch.tensor(rows, dtype=torch.float64).reshape(steps, 2)
+    if not _distributed():
+        return [[(float(a), float(b)) for a, b in mine.tolist()]]
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [[(float(a), float(b)) for a, b in g.cpu().tolist()] for g in gathered]
+
+
 class BaselineRecorder:
     """Record the first ``steps`` optimizer steps into ``path``, or compare a run against that record.
 
@@ -91,13 +165,19 @@ class BaselineRecorder:
         on_mismatch: ``"raise"`` (:class:`BaselineMismatch`) or ``"warn"`` (a ``DeterminismWarning``, once).
         nonfinite_equal: count identical NaN/``inf`` values on both sides as equal (by default a non-finite value
             is always a mismatch).
+        comm_every: in ``"record"`` mode, profile the communication of one step in ``comm_every`` (0: never; see
+            :mod:`~lightning_determinism.divergence.step_costs`).
 
-    Call :meth:`before_optimizer_step` after the backward pass (and DDP's all-reduce), :meth:`after_optimizer_step`
-    after the step, on every rank; :meth:`finish` at the end. The recorded loss of a step is the mean of the losses of
-    all its micro-batches on all ranks: give each micro-batch's loss to :meth:`add_loss` (under gradient
-    accumulation), or the step's only one to :meth:`after_optimizer_step`. The mean is taken from exact sums
-    (:mod:`~lightning_determinism.exact`), so one process on the global batch and DDP on its shards record the same
-    bits when their micro-batch losses are the same. In ``"compare"`` mode a run that matches says so once, on rank 0.
+    Call :meth:`begin_step` when a step begins (optional: the next one begins when a step ends; without it the first
+    step's memory is the peak since the start), :meth:`before_optimizer_step` after the backward pass (and DDP's
+    all-reduce), :meth:`after_optimizer_step` after the step, on every rank; :meth:`finish` at the end. The recorded
+    loss of a step is the mean of the losses of all its micro-batches on all ranks: give each micro-batch's loss to
+    :meth:`add_loss` (under gradient accumulation), or the step's only one to :meth:`after_optimizer_step`. The mean
+    is taken from exact sums (:mod:`~lightning_determinism.exact`), so one process on the global batch and DDP on
+    its shards record the same bits when their micro-batch losses are the same.
+    In ``"compare"`` mode a run that matches says so once, on rank 0.
+    :meth:`set_run` adds what the recorder cannot see (strategy, launcher, precision), :meth:`record_batch` the
+    batch's shape, to the file's ``"run"`` entry.
 
     Examples:
         >>> BaselineRecorder("baseline.json", steps=3, mode="record").steps
@@ -113,6 +193,7 @@ class BaselineRecorder:
         atol: float = DEFAULT_ATOL,
         on_mismatch: Literal["raise", "warn"] = "raise",
         nonfinite_equal: bool = False,
+        comm_every: int = DEFAULT_EVERY,
     ) -> None:
         if mode not in ("record", "compare"):
             raise ValueError(f"`mode` must be 'record' or 'compare', got {mode!r}")
@@ -123,6 +204,8 @@ class BaselineRecorder:
         for name, value in (("rtol", rtol), ("atol", atol)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"`{name}` must be a finite float >= 0, got {value!r}")
+        if isinstance(comm_every, bool) or not isinstance(comm_every, int) or comm_every < 0:
+            raise ValueError(f"`comm_every` must be an int >= 0, got {comm_every!r}")
         self.path = Path(path)
         self.steps = steps
         self.mode = mode
@@ -130,6 +213,9 @@ class BaselineRecorder:
         self.atol = float(atol)
         self.on_mismatch = on_mismatch
         self.nonfinite_equal = bool(nonfinite_equal)
+        self.comm_every = comm_every
+        self.run_info: dict[str, Any] = {}
+        self._costs: StepCosts | None = None
         self.records: list[dict[str, Any]] = []
         self._mismatched_steps: list[int] = []
         self._reference: list[dict[str, Any]] | None = None
@@ -144,8 +230,40 @@ class BaselineRecorder:
         self._mismatched_steps = []
         self._current = {}
         self._reset_loss()
+        self._costs = None
         if self.mode == "compare":
             self._reference = load_baseline(self.path)["steps"]
+
+    def set_run(self, **fields: Any) -> None:
+        """Describe the run in the file's ``"run"`` entry, e.g. ``strategy=``, ``launcher=``, ``precision=``, ``mesh=``.
+
+        Examples:
+            >>> recorder = BaselineRecorder("baseline.json")
+            >>> recorder.set_run(strategy="FSDPStrategy", precision="bf16-mixed")
+            >>> recorder.run_info["precision"]
+            'bf16-mixed'
+        """
+        self.run_info.update(fields)
+
+    def record_batch(self, batch: Any) -> None:
+        """Keep the shapes of the first batch's tensors (this rank's) for the file's ``"run"`` entry.
+
+        Examples:
+            >>> recorder = BaselineRecorder("baseline.json")
+            >>> recorder.record_batch((torch.zeros(4, 16), torch.zeros(4)))
+            >>> recorder.run_info["batch_shape"]
+            [[4, 16], [4]]
+        """
+        if "batch_shape" not in self.run_info:
+            self.run_info["batch_shape"] = batch_shapes(batch)
+
+    def begin_step(self, module: torch.nn.Module | None = None) -> None:
+        """The next optimizer step begins: its peak memory and communication are measured from here (record mode)."""
+        if self.mode != "record" or not self.recording:
+            return
+        if self._costs is None:
+            self._costs = StepCosts(self.comm_every, _device_of(module) if module is not None else None)
+        self._costs.begin(len(self.records))
 
     @property
     def recording(self) -> bool:
@@ -158,9 +276,18 @@ class BaselineRecorder:
             return
         if self.mode == "compare" and self._reference is None:
             self.start()
-        norms = {
-            name: float(p.grad.detach().double().norm()) for name, p in module.named_parameters() if p.grad is not None
-        }
+        if self.mode == "record" and self._costs is None:
+            self._costs = StepCosts(self.comm_every, _device_of(module))
+        if self._costs is not None:
+            self._costs.pause()  # the collectives below are the recorder's, not the step's
+        named = list(module.named_parameters())
+        if "device" not in self.run_info:
+            self.run_info["device"] = device_description(_device_of(module))
+        if "mesh" not in self.run_info:
+            sharded: Any = next((p for _, p in named if is_dtensor(p)), None)
+            self.run_info["mesh"] = mesh_description(sharded.device_mesh if sharded is not None else None)
+        found = _whole_norms([p.grad for _, p in named])  # whole gradients (a collective when any is a DTensor)
+        norms = {name: norm for (name, _), norm in zip(named, found, strict=True) if norm is not None}
         self._current = {
             "step": len(self.records),
             "grad_norm": math.sqrt(sum(n * n for n in norms.values())),
@@ -205,14 +332,24 @@ class BaselineRecorder:
         record = dict(self._current)
         record["loss"] = _exact_mean_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable)
         self._reset_loss()
-        record["param_norms"] = {name: float(p.detach().double().norm()) for name, p in module.named_parameters()}
-        record["param_fingerprints"] = {name: fingerprint(p) for name, p in module.named_parameters()}
+        named = list(module.named_parameters())
+        params = [p for _, p in named]
+        record["param_norms"] = dict(zip([n for n, _ in named], _whole_norms(params), strict=True))
+        record["param_digests"] = dict(zip([n for n, _ in named], digests(params), strict=True))
+        by_rank = _replica_disagreements(named, record)
+        if by_rank:
+            record["by_rank"] = by_rank
         self._current = {}
         self.records.append(record)
         if self.mode == "compare":
             self._compare(record)
-        elif len(self.records) == self.steps:
+            return
+        if self._costs is not None:
+            self._costs.end()
+        if len(self.records) == self.steps:
             self._write()
+        else:
+            self.begin_step()
 
     def finish(self) -> None:
         """Write a record shorter than ``steps``; in ``"compare"`` mode, say how many steps matched (rank 0)."""
@@ -229,14 +366,28 @@ class BaselineRecorder:
             )
 
     def _write(self) -> None:
-        if _rank() == 0:
-            payload = {
-                "format": FORMAT,
-                "world_size": _rank_and_world_size()[1],
-                "steps": self.records,
-                "report": determinism_report(),
-            }
-            write_atomically(self.path, json.dumps(payload, indent=1))  # whole or not at all
+        """Gather every rank's step costs (a collective: every rank calls it), then write the file on rank 0."""
+        costs = self._costs.steps if self._costs is not None else []
+        if self._costs is not None:
+            self._costs.close()
+        per_rank = _gather_costs(costs, len(self.records))
+        if _rank() != 0:
+            return
+        for i, record in enumerate(self.records):
+            record["peak_memory_bytes"] = [int(rank[i][0]) if math.isfinite(rank[i][0]) else None for rank in per_rank]
+            record["comm_seconds"] = [float(rank[i][1]) if math.isfinite(rank[i][1]) else None for rank in per_rank]
+        report = determinism_report()
+        run = run_metadata(report, self.run_info)
+        if self._costs is not None:
+            run.update(memory=self._costs.memory_kind, comm_profiled_every=self.comm_every)
+        payload = {
+            "format": FORMAT,
+            "world_size": _rank_and_world_size()[1],
+            "run": run,
+            "steps": self.records,
+            "report": report,
+        }
+        write_atomically(self.path, json.dumps(payload, indent=1))  # whole or not at all
 
     def _compare(self, record: dict[str, Any]) -> None:
         assert self._reference is not None

@@ -1,7 +1,8 @@
 """The ``lightning-determinism`` command: ``report``, ``compare`` two baselines, ``diagnose`` two probe files.
 
     lightning-determinism report [PATH] [--json]
-    lightning-determinism compare A.json B.json [--plot out.png] [--rtol R] [--atol A] [--nonfinite-equal]
+    lightning-determinism compare A.json B.json [C.json ...] [--plot out.png] [--json] [--rtol R] [--atol A]
+                                  [--nonfinite-equal]
     lightning-determinism diagnose A.json B.json [--json]
 
 Exit status: 0 when the runs agree (``compare``, ``diagnose``) or the report was printed, 1 when they diverge, 2 on
@@ -27,10 +28,10 @@ from lightning_determinism.divergence.baseline_file import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     BaselineFileError,
-    compare_baselines,
     describe_baseline,
     load_baseline,
 )
+from lightning_determinism.divergence.baseline_runs import compare_runs
 
 
 class _BadInput(Exception):
@@ -243,18 +244,55 @@ def _loss_column(values: list[Any], width: int = 14) -> list[str]:
     return [f"{t:>{width}}" for t in texts]
 
 
-def _compare(args: argparse.Namespace) -> int:
-    if args.plot:
-        from lightning_determinism.divergence._compare_plot import PlotError, check_plot_path
+def _mebibytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
 
-        try:
-            check_plot_path(args.plot)  # before any work: a bad path must not cost a comparison
-        except PlotError as err:
-            raise _BadInput(str(err)) from None
-    rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
-    atol = DEFAULT_ATOL if args.atol is None else args.atol
-    first_file, second_file = load_baseline(args.a), load_baseline(args.b)
-    result = compare_baselines(first_file, second_file, rtol, atol, args.nonfinite_equal)
+
+def _milliseconds(row: dict[str, Any]) -> str:
+    value = row["comm_seconds_per_step"]
+    return "-" if value is None else f"{value * 1e3:.3f} ms ({row['comm_steps']} steps)"
+
+
+def _numbers(row: dict[str, Any]) -> str:
+    """A run's verdict in one cell: "reference", "within tolerance (max rel ...)" or where it first diverges."""
+    first = row["first"]
+    if row["verdict"] == "reference":
+        return "reference"
+    if first is None:
+        spread = "bitwise" if row["bitwise"] else f"max rel {row['max_rel']:.1e}"
+        return f"within tolerance ({spread})"
+    return f"step {first['step']}, {first['name']}: {first['a']!r} vs {first['b']!r}"
+
+
+_MEMORY_KINDS = {
+    "cpu_peak_rss_of_process": "CPU: the process's peak RSS (a high-water mark since it started, not per step)",
+    "cuda_max_allocated_per_step": "CUDA: torch.cuda.max_memory_allocated of each step",
+}
+
+
+def print_runs(table: dict[str, Any]) -> None:
+    """The table of :func:`~lightning_determinism.divergence.baseline_runs.compare_runs`: numbers, then costs."""
+    rows = table["runs"]
+    names = [row["name"] for row in rows]
+    cells = [_numbers(row) for row in rows]
+    wide, cell = max(len(n) for n in names), max(len(c) for c in cells)
+    header = f"{'run':<{wide}}  {'ranks':>5}  {'numbers against ' + names[0]:<{cell}}  {'peak memory':>12}  comm/step"
+    print(header)
+    for row, name, text in zip(rows, names, cells, strict=True):
+        ranks = "?" if row["world_size"] is None else str(row["world_size"])
+        print(
+            f"{name:<{wide}}  {ranks:>5}  {text:<{cell}}  {_mebibytes(row['peak_memory_bytes']):>12}  "
+            f"{_milliseconds(row)}"
+        )
+    kinds = sorted({row["memory"] for row in rows if row["memory"]})
+    for kind in kinds:
+        print(f"peak memory, {_MEMORY_KINDS.get(kind, kind)}")
+    if any(row["comm_seconds_per_step"] is not None for row in rows):
+        print("comm/step: collectives' time under torch.profiler, the slowest rank's, mean over the profiled steps")
+
+
+def _print_steps(result: dict[str, Any]) -> None:
+    """Two runs' per-step table: both losses, the largest differences, whether the parameters are bitwise equal."""
     rows = result["rows"]
     losses = _loss_column([row["loss_a"] for row in rows] + [row["loss_b"] for row in rows])
     width = len(losses[0]) if losses else 14
@@ -265,15 +303,54 @@ def _compare(args: argparse.Namespace) -> int:
             f"{row['step']:>4}  {loss_a}  {loss_b}  {_format_diff(row['max_abs'])}"
             f"  {_format_diff(row['max_rel'])}  {'yes' if row['bitwise_params'] else 'no'}"
         )
-    for entry in result["nonfinite"]:
-        print(f"non-finite: step {entry['step']}, {entry['name']}: {entry['a']!r} in A, {entry['b']!r} in B")
-    if args.plot:
-        from lightning_determinism.divergence._compare_plot import draw
 
-        draw(result, args.a, args.b, args.plot, rtol, atol)
-        print(f"plot written to {args.plot}")
-    first = result["first"]
+
+def _compare(args: argparse.Namespace) -> int:
+    if args.plot:
+        from lightning_determinism.divergence._compare_plot import PlotError, check_plot_path
+
+        try:
+            check_plot_path(args.plot)  # before any work: a bad path must not cost a comparison
+        except PlotError as err:
+            raise _BadInput(str(err)) from None
+    rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
+    atol = DEFAULT_ATOL if args.atol is None else args.atol
+    table = compare_runs([(path, load_baseline(path)) for path in args.files], rtol, atol, args.nonfinite_equal)
+    comparisons = table.pop("comparisons")
+    if args.plot:
+        from lightning_determinism.divergence._compare_plot import draw, draw_runs
+
+        if len(args.files) == 2:
+            draw(comparisons[0], args.files[0], args.files[1], args.plot, rtol, atol)
+        else:
+            draw_runs(table, comparisons, args.plot)
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 1 if table["diverged"] else 0
     tolerance = f"rtol={rtol:g}, atol={atol:g}"
+    if len(args.files) == 2:
+        result = comparisons[0]
+        _print_steps(result)
+        for entry in result["nonfinite"]:
+            print(f"non-finite: step {entry['step']}, {entry['name']}: {entry['a']!r} in A, {entry['b']!r} in B")
+        print()
+    else:
+        for row in table["runs"][1:]:
+            for entry in row["nonfinite"]:
+                print(f"non-finite: {row['name']}, step {entry['step']}, {entry['name']}: {entry['a']!r}"
+                      f" in the reference, {entry['b']!r} in the run")  # fmt: skip
+    print_runs(table)
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    if len(args.files) > 2:
+        others = len(args.files) - 1
+        if table["diverged"]:
+            print(f"{table['diverged']} of {others} runs diverge from {table['reference']} ({tolerance})")
+            return 1
+        print(f"all {others} runs within {tolerance} of {table['reference']}")
+        return 0
+    result = comparisons[0]
+    first = result["first"]
     if first is None:
         identical = all(r["max_abs"] == 0.0 and r["bitwise_params"] for r in result["rows"])
         steps = len(result["rows"])
