@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "model_parallel_run.py"
 FABRIC = Path(__file__).parent / "scripts" / "fabric_model_parallel.py"
 CONFIGS = [
-    {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True},
+    {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True, "preempt": [3]},
     # FSDP2 over data_parallel, tensor parallel inside; resumed on data_parallel_size 1 (x tp 2) and 4 (x tp 1)
     {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5], "elastic": [[5, 1, 2], [5, 4, 1]]},
 ]
@@ -102,6 +102,15 @@ def test_a_resume_on_another_data_parallel_size_trains_the_rest_of_the_epoch_onc
     assert sorted(before + dealt) == list(range(16))
     for peers in range(0, dp * tp, tp):  # replicas still equal; every rank fine
         assert len({r["steps"][str(steps[-1])]["replicated"].__repr__() for r in resumed[peers : peers + tp]}) == 1
+
+
+def test_a_preemption_checkpoint_is_a_distributed_one_and_resumes_bitwise(runs):
+    checkpoint = runs[0] / "tp2" / "preempted3" / "preempted.ckpt"
+    assert checkpoint.is_dir() and (checkpoint / "meta.pt").is_file()
+    straight, resumed = ranks(runs[0], "tp2"), ranks(runs[0], "tp2", "preempted3-resumed")
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["final"] == a["final"]
+        assert b["steps"] == {step: record for step, record in a["steps"].items() if int(step) > 3}
 
 
 def test_the_replica_guard_catches_the_mixins_old_rule(runs):

@@ -10,9 +10,11 @@ at the end the fingerprint of the gathered model. OUT/<name>/one_process.json: t
 same base seed, for comparison with the gathered start.
 """
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -26,7 +28,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_determinism import DeterministicModelParallelStrategy, ReplicaGuard, get_rng_tracker  # noqa: E402
+from lightning_determinism import (  # noqa: E402
+    DeterministicModelParallelStrategy,
+    PreemptionCheckpoint,
+    ReplicaGuard,
+    get_rng_tracker,
+)
 from lightning_determinism.callbacks.replica_guard import replicated_digests  # noqa: E402
 
 SEED = 23
@@ -70,6 +77,7 @@ class Net(L.LightningModule):
         self.out = out
         self.model = None
         self.record: dict = {"steps": {}}
+        self.preempt_at: int | None = None  # the step during which every rank gets SIGTERM
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -92,6 +100,8 @@ class Net(L.LightningModule):
         self.record["dtensor_routed"] = dtensor_random.installed()
 
     def training_step(self, batch, batch_idx):
+        if self.preempt_at is not None and self.trainer.global_step + 1 == self.preempt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # every rank, as a scheduler signals the whole job
         draws = {"default": torch.rand(3).tolist()}
         with get_rng_tracker().fork():
             draws["fork"] = torch.rand(3).tolist()
@@ -129,7 +139,9 @@ class OldRule(DeterministicModelParallelStrategy):
             tracker.add("model-parallel-rng", SEED + 1 + rank)
 
 
-def fit(out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool = True) -> None:
+def fit(
+    out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool = True, preempt_at: int | None = None
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cls = OldRule if GUARD == "off" else DeterministicModelParallelStrategy
     strategy = cls(seed=SEED, data_parallel_size=dp, tensor_parallel_size=tp, start_method="fork")
@@ -137,12 +149,16 @@ def fit(out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool 
         [ModelCheckpoint(dirpath=out, every_n_train_steps=5, save_top_k=-1, filename="{step}")] if every_step else []
     )
     callbacks.append(ReplicaGuard(every_n_train_steps=1))  # every step: a drift is caught at once
+    if preempt_at is not None:
+        callbacks.append(PreemptionCheckpoint(dirpath=out))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * tp, max_epochs=2, callbacks=callbacks,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=every_step, default_root_dir=str(out),
     )  # fmt: skip
-    trainer.fit(Net(out), ckpt_path=str(ckpt) if ckpt else None)
+    net = Net(out)
+    net.preempt_at = preempt_at
+    trainer.fit(net, ckpt_path=str(ckpt) if ckpt else None)
 
 
 def one_process(out: Path) -> None:
@@ -162,6 +178,11 @@ if __name__ == "__main__":
             fit(root / "again", config["dp"], config["tp"], every_step=False)
         for k, dp, tp in config.get("elastic", []):  # another data-parallel size: DCP reshards, the rest is dealt
             fit(root / f"elastic{k}-{dp}x{tp}", dp, tp, ckpt=root / "straight" / f"step={k}.ckpt", every_step=False)
+        for k in config.get("preempt", []):  # SIGTERM in step k: PreemptionCheckpoint writes a distributed one
+            with contextlib.suppress(SystemExit):  # the ranks stop cleanly; the launcher says so with SystemExit
+                fit(root / f"preempted{k}", config["dp"], config["tp"], every_step=False, preempt_at=k)
+            fit(root / f"preempted{k}-resumed", config["dp"], config["tp"], every_step=False,
+                ckpt=root / f"preempted{k}" / "preempted.ckpt")  # fmt: skip
         for k in config.get("resume", []):
             fit(root / f"resumed{k}", config["dp"], config["tp"], ckpt=root / "straight" / f"step={k}.ckpt",
                 every_step=False)  # fmt: skip
