@@ -209,6 +209,7 @@ class InvariantTraining:
         self._tree: GradientTree | None = None
         self._passes_in_window = 0
         self._seeds = StepSeeds(self.base_seed, "micro-batch")  # micro_batch_seed, the step's hash state kept
+        self._in_fsdp = False  # FSDP2's reduce-scatter sums over the tree (invariance.fsdp), not the GradientTree
 
     @property
     def per_rank(self) -> int:
@@ -253,6 +254,27 @@ class InvariantTraining:
         torch.set_num_threads(self.threads)
         self._groups = pair_groups(world_size) if world_size > 1 else []
 
+    def last_micro_batch(self) -> bool:
+        """Whether the micro-batch running now is the step's last on this process."""
+        return self._passes_in_window == self.per_rank
+
+    def reduce_in_fsdp(self, module: torch.nn.Module) -> int:
+        """Sum the gradients of ``module``'s ``FSDPModule``s over the tree inside FSDP2's reduce-scatter.
+
+        On one process FSDP2 reduces nothing: the :class:`GradientTree` sums the (whole) sharded gradients there.
+
+        Returns:
+            The number of ``FSDPModule``s.
+        """
+        from lightning_determinism.invariance.fsdp import fsdp_modules, install_tree_reduce_scatter
+
+        if self.world_size == 1:
+            return len(fsdp_modules(module))
+        count = install_tree_reduce_scatter(module, self.last_micro_batch, self.per_rank, self.rank, self.world_size,
+                                            groups=self._groups)  # fmt: skip
+        self._in_fsdp = count > 0
+        return count
+
     def setup(self, trainer: Any) -> None:
         """Before the optimizers exist: set (or check) gradient accumulation to ``K``."""
         self.check_accumulation(trainer.accumulate_grad_batches, self.world_size)
@@ -261,6 +283,7 @@ class InvariantTraining:
             self._tree.disarm()
         self._tree = None
         self._passes_in_window = 0
+        self._in_fsdp = False
 
     def check_module(self, module: torch.nn.Module) -> None:
         """Refuse layers whose state depends on the rank's micro-batches, and manual optimization."""
@@ -330,6 +353,12 @@ class InvariantTraining:
         ``global_step`` (the step being finished): the next step's seeds are hashed while this step's first level of
         communication is still in flight.
         """
+        if self._in_fsdp:  # summed in FSDP2's reduce-scatter: the window ends with its last micro-batch
+            if self.last_micro_batch():
+                if global_step is not None:
+                    self._seeds.prepare(global_step + 1)
+                self._passes_in_window = 0
+            return
         if self._tree is None:
             self._tree = GradientTree(parameters, self.per_rank, self._groups, self.rank)
         self._tree.add_leaf()

@@ -172,6 +172,12 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         mesh = device_mesh_of(self)
         if mesh is not None:
             follow_mesh(self._ldet_steps, mesh, rank, world_size)
+            if self.invariant is not None and int(mesh.shape[-1]) > 1:
+                raise ValueError(
+                    f"[rank: {rank}] world-size-invariant training (`global_batch_size`, `micro_batch_size`) runs on"
+                    " FSDP2 over data-parallel ranks: it needs `tensor_parallel_size=1`, got"
+                    f" {int(mesh.shape[-1])} (a tensor-parallel rank's micro-batches are not its own)"
+                )
 
     def _add_rng_checkpoint(self) -> None:
         """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""
@@ -192,8 +198,25 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
             self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
             self.invariant.check_module(trainer.lightning_module)
         super().setup(trainer)  # type: ignore[misc]
+        if self.invariant is not None and device_mesh_of(self) is not None:
+            self._ldet_invariant_fsdp(trainer)
         self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]
         self._ldet_isolation.attach(trainer)
+
+    def _ldet_invariant_fsdp(self, trainer: pl.Trainer) -> None:
+        """Under ``ModelParallelStrategy``: the invariant mode sums inside FSDP2's reduce-scatter (``invariance.fsdp``).
+
+        Raises:
+            ValueError: on several processes with no ``fully_shard``-ed module (nothing would reduce the gradients).
+        """
+        invariant = self.invariant
+        assert invariant is not None
+        if invariant.reduce_in_fsdp(trainer.lightning_module) == 0 and invariant.world_size > 1:
+            raise ValueError(
+                "world-size-invariant training under ModelParallelStrategy sums the gradients inside FSDP2: apply"
+                " `fully_shard` to the model in `configure_model` (on the `data_parallel` mesh); nothing reduces the"
+                f" gradients of {invariant.world_size} processes otherwise"
+            )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
