@@ -203,7 +203,7 @@ class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin,
     """
 
     @override
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # weights_only: Lightning >= 2.6 only
         stateful = {}
         if isinstance(state, dict):
             stateful = {key: obj for key, obj in state.items()
