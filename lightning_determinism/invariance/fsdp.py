@@ -8,7 +8,8 @@ fixed binary tree over the step's ``M`` micro-batches (this rank's ``K`` leaves 
 At the step's last micro-batch it closes the subtree, climbs the tree with the other ranks in two-process
 all-reduces (:func:`~lightning_determinism.invariance.tree.pair_groups`: a single addition per element, the same
 bits on both), divides by the world size and outputs this rank's chunk. FSDP2 adds the outputs into the sharded
-gradients (``0 + ... + 0 + g``); the chunk is normalised with ``+ 0.0`` so that one rank (no earlier zero) and many
+gradients (``0 + ... + 0 + g``); the chunk is normalised with ``+ 0.0`` (as the gradient tree's result is under
+``ModelParallelStrategy``) so that one rank, many ranks and a model that is not ``fully_shard``-ed on one process
 agree on the sign of a zero. The sums are exactly the ones one process takes over the same tree, element by element,
 whatever the flat layout: the sharded parameters then step, element by element, as one process's do.
 

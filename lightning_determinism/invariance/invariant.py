@@ -210,6 +210,7 @@ class InvariantTraining:
         self._passes_in_window = 0
         self._seeds = StepSeeds(self.base_seed, "micro-batch")  # micro_batch_seed, the step's hash state kept
         self._in_fsdp = False  # FSDP2's reduce-scatter sums over the tree (invariance.fsdp), not the GradientTree
+        self._positive_zeros = False  # under ModelParallelStrategy: the tree's sums end with + 0.0, as FSDP2's do
 
     @property
     def per_rank(self) -> int:
@@ -268,6 +269,7 @@ class InvariantTraining:
         """
         from lightning_determinism.invariance.fsdp import fsdp_modules, install_tree_reduce_scatter
 
+        self._positive_zeros = True  # one process sums in the GradientTree: its zeros as FSDP2's are, positive
         if self.world_size == 1:
             return len(fsdp_modules(module))
         count = install_tree_reduce_scatter(module, self.last_micro_batch, self.per_rank, self.rank, self.world_size,
@@ -284,6 +286,7 @@ class InvariantTraining:
         self._tree = None
         self._passes_in_window = 0
         self._in_fsdp = False
+        self._positive_zeros = False
 
     def check_module(self, module: torch.nn.Module) -> None:
         """Refuse layers whose state depends on the rank's micro-batches, and manual optimization."""
@@ -361,6 +364,7 @@ class InvariantTraining:
             return
         if self._tree is None:
             self._tree = GradientTree(parameters, self.per_rank, self._groups, self.rank)
+            self._tree.positive_zeros = self._positive_zeros
         self._tree.add_leaf()
         if self._tree.added < self.per_rank:
             return

@@ -116,6 +116,7 @@ class GradientTree:
     ) -> None:
         self.parameters = list(parameters)
         self.leaves, self.groups, self.rank = leaves, groups, rank
+        self.positive_zeros = False  # set under FSDP2: its sum of a step's gradients has no -0.0 (invariance.fsdp)
         self._stack: list[tuple[int, list[Tensor]]] = []
         self.added = 0
         self._buckets = _buckets(self.parameters, bucket_bytes)
@@ -217,6 +218,8 @@ class GradientTree:
                     torch.div(part, divide_by, out=total)  # a power of two: exact
             elif divide_by != 1:
                 total.div_(divide_by)
+            if self.positive_zeros:
+                total.add_(0.0)  # -0.0 -> 0.0, as FSDP2's sharded gradients 0 + ... + g are (invariance.fsdp)
             p.grad = total
 
     def add_leaf(self) -> None:

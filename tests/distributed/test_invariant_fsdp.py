@@ -20,9 +20,9 @@ B, M_SIZE = 8, 2  # 4 micro-batches per step: K = 4, 2, 1 on 1, 2, 4 ranks
 
 
 class Net(L.LightningModule):
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, shard_one: bool = True) -> None:
         super().__init__()
-        self.out, self.net, self.steps = out, None, {}
+        self.out, self.net, self.steps, self.shard_one = out, None, {}, shard_one
 
     def configure_model(self) -> None:
         if self.net is not None:
@@ -31,6 +31,8 @@ class Net(L.LightningModule):
 
         self.net = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 1))
         mesh = self.device_mesh["data_parallel"]
+        if mesh.size() == 1 and not self.shard_one:
+            return  # the usual `if dp > 1: fully_shard(...)`: plain parameters on one process
         for layer in (self.net[0], self.net[4]):
             fully_shard(layer, mesh=mesh)  # also on one rank: the same code on every world size
         fully_shard(self.net, mesh=mesh)
@@ -57,7 +59,7 @@ class Net(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def _fit(out: Path, ranks: int, ckpt: Path | None = None, checkpoints: bool = False) -> dict:
+def _fit(out: Path, ranks: int, ckpt: Path | None = None, checkpoints: bool = False, shard_one: bool = True) -> dict:
     out.mkdir(parents=True)
     strategy = DeterministicModelParallelStrategy(
         seed=4, data_parallel_size=ranks, tensor_parallel_size=1, global_batch_size=B, micro_batch_size=M_SIZE,
@@ -69,7 +71,7 @@ def _fit(out: Path, ranks: int, ckpt: Path | None = None, checkpoints: bool = Fa
         enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=checkpoints,
         callbacks=callbacks if checkpoints else [], default_root_dir=str(out),
     )  # fmt: skip
-    trainer.fit(Net(str(out)), ckpt_path=str(ckpt) if ckpt else None)
+    trainer.fit(Net(str(out), shard_one), ckpt_path=str(ckpt) if ckpt else None)
     return {int(k): v for k, v in json.loads((out / "steps.json").read_text()).items()}
 
 
@@ -78,14 +80,16 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariant-fsdp")
     two = _fit(root / "two", 2, checkpoints=True)
     one, four = _fit(root / "one", 1), _fit(root / "four", 4)
+    plain = _fit(root / "one-plain", 1, shard_one=False)
     checkpoint = root / "two" / "step=3.ckpt"  # in the middle of epoch 0 (4 steps per epoch)
     resumed = {ranks: _fit(root / f"resumed-on-{ranks}", ranks, ckpt=checkpoint) for ranks in (1, 4)}
-    return {"one": one, "two": two, "four": four, "resumed": resumed, "checkpoint": checkpoint}
+    return {"one": one, "plain": plain, "two": two, "four": four, "resumed": resumed, "checkpoint": checkpoint}
 
 
 def test_one_two_and_four_ranks_give_the_same_bits_every_step(runs):
     assert len(runs["two"]) == 8  # 2 epochs of 32 samples, 8 per step
     assert runs["one"] == runs["two"] == runs["four"]
+    assert runs["plain"] == runs["two"]  # one process without fully_shard: plain parameters, the same bits
     assert len({step["params"] for step in runs["two"].values()}) == 8  # the parameters do change
 
 
