@@ -319,3 +319,35 @@ wait
     codes = [(tmp_path / f"codes.{i}").read_text().split() for i in (1, 2, 3)]
     assert codes == [["equal", "0"], ["nan", "1"], ["bad", "2"]]
     assert (tmp_path / "err.txt").read_text().count("\n") == 1
+
+
+def test_cli_compare_needs_two_files_reads_format_1_and_refuses_a_newer_format(recorded, tmp_path, capsys):
+    assert cli(["compare", str(recorded)]) == 2
+    assert "compare needs two or more baseline files (the first is the reference), got 1" in capsys.readouterr().err
+    data = json.loads(recorded.read_text())
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps({**data, "format": 3}))
+    assert cli(["compare", str(recorded), str(newer)]) == 2
+    assert "baseline format 3 was written by a newer lightning_determinism" in capsys.readouterr().err
+    old_steps = [{k: v for k, v in s.items() if k not in ("param_digests", "peak_memory_bytes", "comm_seconds")}
+                 for s in data["steps"]]  # fmt: skip
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": 1, "world_size": 1, "steps": old_steps, "report": data["report"]}))
+    assert cli(["compare", str(old), str(recorded)]) == 0  # format 1 still compares (no digests: not "bitwise")
+    out = capsys.readouterr().out
+    assert "equal within rtol=0.0001" in out and re.search(r"old\.json\s+1\s+reference\s+-\s+-", out)
+
+
+def test_cli_compare_three_files_one_row_each_and_json(recorded, tmp_path, capsys):
+    perturbed = tmp_path / "perturbed.json"
+    run([ScaleGrad(2, "net.0.bias"), NumericalBaseline(perturbed, steps=5)])
+    files = [str(recorded), str(recorded), str(perturbed)]
+    assert cli(["compare", *files]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["run", "ranks", "numbers", "against", str(recorded)]
+    assert "within tolerance (bitwise)" in lines[2] and "step 2, grad_norms[net.0.bias]: " in lines[3]
+    assert lines[-1] == f"1 of 2 runs diverge from {recorded} (rtol=0.0001, atol=1e-06)"
+    assert cli(["compare", *files, "--json", "--rtol", "1", "--atol", "1"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert [r["verdict"] for r in table["runs"]] == ["reference", "within tolerance", "within tolerance"]
+    assert table["rtol"] == 1.0 and table["diverged"] == 0 and table["runs"][1]["bitwise"] is True

@@ -189,6 +189,14 @@ def set_fabric_iterations(loader: Any, count: int) -> None:
         loader._num_iter_calls = count
 
 
+def profiled_events(profiler: Any) -> list[tuple[str, float, bool]]:
+    """A stopped ``torch.profiler.profile``'s events as ``(name, duration in µs, on a device)``, unparsed."""
+    results = _private(_private(profiler, "profiler"), "kineto_results")
+    if results is None:
+        return []
+    return [(e.name(), e.duration_ns() / 1e3, "cuda" in str(e.device_type()).lower()) for e in results.events()]
+
+
 def metric_defaults(metric: Any) -> dict[str, Any]:
     """A torchmetrics ``Metric``'s state defaults (what ``reset()`` restores)."""
     return _private(metric, "_defaults")  # type: ignore[no-any-return]
@@ -214,6 +222,7 @@ __all__ = [
     "launcher_strategy",
     "metric_defaults",
     "module_trainer",
+    "profiled_events",
     "set_fabric_iterations",
     "should_accumulate",
     "slurm_requeue",

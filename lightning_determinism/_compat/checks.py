@@ -223,6 +223,13 @@ PIECES: tuple[Piece, ...] = (
           lambda: hasattr(importlib.import_module("torch.utils.data._utils.worker"), "_worker_info")
           and _exists("torch.utils.data._utils.worker:WorkerInfo", "id", "num_workers", "seed", "dataset")()
           and _exists("torch.utils.data._utils.worker:_generate_state", "base_seed", "worker_id")()),
+    Piece("torch.profiler.profile.profiler.kineto_results.events() (name(), duration_ns(), device_type())",
+          "a baseline's communication time sums the collectives of a profiled step; the public events() builds a"
+          " FunctionEvent tree of every operation first (10x the cost, 0.5 s for a GRU step)",
+          lambda: _assigns("torch.profiler:profile", "profiler")()
+          and _assigns("torch.autograd.profiler:profile", "kineto_results")()
+          and all(hasattr(_lookup("torch._C._autograd:_KinetoEvent"), a) for a in ("name", "duration_ns",
+                                                                                    "device_type"))),
     Piece("torch._dynamo.decorators.mark_unbacked",
           "one compiled perplexity kernel for every batch size; torch.compile has no public equivalent",
           _exists("torch._dynamo.decorators:mark_unbacked")),

@@ -275,8 +275,9 @@ def print_runs(table: dict[str, Any]) -> None:
     rows = table["runs"]
     names = [row["name"] for row in rows]
     cells = [_numbers(row) for row in rows]
-    wide, cell = max(len(n) for n in names), max(len(c) for c in cells)
-    header = f"{'run':<{wide}}  {'ranks':>5}  {'numbers against ' + names[0]:<{cell}}  {'peak memory':>12}  comm/step"
+    title = f"numbers against {names[0]}"
+    wide, cell = max(len(n) for n in names), max(len(title), *(len(c) for c in cells))
+    header = f"{'run':<{wide}}  {'ranks':>5}  {title:<{cell}}  {'peak memory':>12}  comm/step"
     print(header)
     for row, name, text in zip(rows, names, cells, strict=True):
         ranks = "?" if row["world_size"] is None else str(row["world_size"])

@@ -8,62 +8,49 @@ Communication: ``torch.profiler`` runs over one step in every ``every`` (steps 1
 carries the warm-up), from the step's beginning to just before the optimizer step (the recorder's own collectives
 come after, outside the window), and the durations of the collective operations it saw are summed: on CPU the gloo
 worker threads' spans (``gloo:all_reduce``, ``gloo:reduce_scatter``, ...), on CUDA the NCCL kernels' device time,
-else the ``c10d``/``all_reduce``/``reduce_scatter``/``all_gather`` operations of the calling thread. Overlapped
+else the ``c10d::*`` operations of the calling thread. Overlapped
 communication counts whole: it is time spent communicating, not time the step waited. Other steps record ``None``.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import resource
 import sys
 from typing import Any
 
 import torch
 
-COLLECTIVE_MARKERS = ("c10d", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather", "broadcast")
-"""Names (lower case) of the profiled operations counted as communication when no backend span was recorded."""
+from lightning_determinism._compat.access import profiled_events
+
 BACKEND_PREFIXES = ("gloo:", "nccl:")
-"""The spans a process-group backend records for the work it executes."""
+"""The spans a process-group backend records for the work it executes (``gloo:all_reduce``, ...)."""
+DISPATCH_PREFIX = "c10d::"
+"""The process-group operations on the calling thread (``c10d::allreduce_``): counted only without backend spans."""
 DEFAULT_EVERY = 10
-"""Profile one step in this many: the profiler's cost on a profiled step spread below 5 % (benchmarks/baseline.py)."""
+"""Profile one step in this many (steps 1, 11, 21, ...): see docs/divergence.md for what it costs."""
 
 
 def collective_seconds(events: Any) -> float:
-    """The summed duration, in seconds, of the collective operations among profiled ``events``.
+    """The summed duration, in seconds, of the collectives among profiled ``(name, µs, on a device)`` events.
 
-    Backend spans (``gloo:*`` on CPU; on CUDA, device kernels named ``nccl*``) when there are any: they are the
-    executed work, of which the ``c10d::*`` operation on the calling thread is only the dispatch. Otherwise the
-    outermost operation whose name contains one of :data:`COLLECTIVE_MARKERS`.
+    Backend spans when there are any: on CUDA the device kernels named ``nccl*``, else the ``gloo:*``/``nccl:*``
+    spans of the backend's threads; they are the executed work, of which the ``c10d::*`` operation on the calling
+    thread is only the dispatch. Without them (another backend), the ``c10d::*`` operations.
 
     Examples:
-        >>> from types import SimpleNamespace as E
-        >>> def event(name, us, parent=None, device="CPU"):
-        ...     return E(name=name, time_range=E(elapsed_us=lambda: us), cpu_parent=parent, device_type=device)
-        >>> dispatch = event("c10d::allreduce_", 5)
-        >>> collective_seconds([dispatch, event("gloo:all_reduce", 250), event("aten::mm", 900)])
+        >>> collective_seconds([("c10d::allreduce_", 5.0, False), ("gloo:all_reduce", 250.0, False),
+        ...                     ("aten::mm", 900.0, False)])
         0.00025
-        >>> collective_seconds([dispatch, event("c10d::inner_allreduce", 3, parent=dispatch)])
+        >>> collective_seconds([("c10d::allreduce_", 5.0, False), ("aten::mm", 900.0, False)])
         5e-06
     """
     events = list(events)
-    device = [e for e in events if "cuda" in str(e.device_type).lower() and e.name.lower().startswith("nccl")]
-    backend = device or [e for e in events if e.name.lower().startswith(BACKEND_PREFIXES)]
+    device = [us for name, us, on_device in events if on_device and name.lower().startswith("nccl")]
+    backend = device or [us for name, us, on_device in events if not on_device and name.startswith(BACKEND_PREFIXES)]
     if backend:
-        return sum(e.time_range.elapsed_us() for e in backend) / 1e6
-
-    def collective(e: Any) -> bool:
-        return any(marker in e.name.lower() for marker in COLLECTIVE_MARKERS)
-
-    def outermost(e: Any) -> bool:
-        parent = e.cpu_parent
-        while parent is not None:
-            if collective(parent):
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    return sum(e.time_range.elapsed_us() for e in events if collective(e) and outermost(e)) / 1e6
+        return math.fsum(backend) / 1e6
+    return math.fsum(us for name, us, on_device in events if not on_device and name.startswith(DISPATCH_PREFIX)) / 1e6
 
 
 def peak_rss_bytes() -> int:
@@ -121,7 +108,6 @@ class StepCosts:
         if self.profiles(step):
             from torch.profiler import ProfilerActivity, profile
 
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # Kineto's "profiler_stop" lines on stderr, every time
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
@@ -139,7 +125,7 @@ class StepCosts:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         profiler.stop()
-        self._seconds = collective_seconds(profiler.events())
+        self._seconds = collective_seconds(profiled_events(profiler))
 
     def end(self) -> None:
         """The step ended: keep its peak memory and communication time."""
@@ -158,11 +144,4 @@ class StepCosts:
             self._profiler = None
 
 
-__all__ = [
-    "BACKEND_PREFIXES",
-    "COLLECTIVE_MARKERS",
-    "DEFAULT_EVERY",
-    "StepCosts",
-    "collective_seconds",
-    "peak_rss_bytes",
-]
+__all__ = ["BACKEND_PREFIXES", "DEFAULT_EVERY", "DISPATCH_PREFIX", "StepCosts", "collective_seconds", "peak_rss_bytes"]

@@ -1,0 +1,188 @@
+"""Baselines across parallelisms: one process, DDP, FSDP2 and tensor parallel agree within the default tolerance
+(whole-tensor norms, not each rank's shard), and injected faults are found at their step and parameter.
+
+The runs are examples/compare_parallelisms.py's own (forked gloo ranks, 8 steps each), shared by every test here.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_determinism import BaselineRecorder
+from lightning_determinism.divergence.baseline_file import DEFAULT_ATOL, DEFAULT_RTOL, load_baseline
+from lightning_determinism.divergence.baseline_runs import compare_runs
+from lightning_determinism.divergence.cli import main as cli
+from tests.helpers import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "compare_parallelisms.py"
+STEPS = 8
+COMM_EVERY = 3  # steps 1, 4 and 7 profiled
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("compare_parallelisms", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("compare_parallelisms", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class LearningRateFault(L.Callback):
+    """Another learning rate from step ``step`` on."""
+
+    def __init__(self, step: int, factor: float) -> None:
+        self.step, self.factor = step, factor
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] *= self.factor
+
+
+class SkippedAllReduce(L.Callback):
+    """One parameter's gradient on one rank is not the all-reduced one at step ``step`` (here: zero)."""
+
+    def __init__(self, step: int, name: str, rank: int) -> None:
+        self.step, self.name, self.rank = step, name, rank
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            dict(pl_module.named_parameters())[self.name].grad.zero_()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    example = _example()
+    root = tmp_path_factory.mktemp("parallelisms")
+    paths = {}
+    for name in ("one", "ddp2", "fsdp2", "tp2"):
+        paths[name] = example.record(name, root / f"{name}.json", steps=STEPS, comm_every=COMM_EVERY)
+    paths["lr"] = example.record("one", root / "lr.json", steps=STEPS, callbacks=[LearningRateFault(4, 2.0)])
+    fault = SkippedAllReduce(3, "model.up.bias", rank=1)
+    paths["skip"] = example.record("ddp2", root / "skip.json", steps=STEPS, callbacks=[fault])
+    return paths
+
+
+def test_every_parallelism_stays_within_the_default_tolerance_of_one_process(runs, capsys):
+    files = [str(runs[name]) for name in ("one", "ddp2", "fsdp2", "tp2")]
+    table = compare_runs([(f, load_baseline(f)) for f in files], DEFAULT_RTOL, DEFAULT_ATOL)
+    assert [row["verdict"] for row in table["runs"]] == ["reference"] + ["within tolerance"] * 3
+    assert all(row["max_rel"] < 1e-5 for row in table["runs"])  # measured: about 2e-7
+    # Each rank's shard norm was 0.0328 against the whole gradient's 0.0446 (the false divergence at step 0).
+    one, fsdp2 = (load_baseline(runs[name])["steps"][0]["grad_norms"] for name in ("one", "fsdp2"))
+    assert math.isclose(one["model.down.bias"], fsdp2["model.down.bias"], rel_tol=1e-6)
+    assert set(one) == set(fsdp2)
+    assert cli(["compare", *files]) == 0
+    out = capsys.readouterr().out
+    assert out.count("within tolerance (max rel") == 3 and "peak memory" in out and "comm/step" in out
+    assert "all 3 runs within rtol=0.0001, atol=1e-06" in out
+    assert cli(["compare", *files, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["verdict"] for r in rows[1:]] == ["within tolerance"] * 3
+    assert all(r["peak_memory_bytes"] > 0 and r["comm_steps"] == 3 for r in rows)
+
+
+def test_the_run_and_its_costs_are_recorded(runs):
+    data = load_baseline(runs["fsdp2"])
+    run = data["run"]
+    assert run["mesh"] == {"shape": [2, 1], "dim_names": ["data_parallel", "tensor_parallel"]}
+    assert run["world_size"] == 2 and run["seed"] == 7 and run["precision"] == "32-true"
+    assert run["strategy"] == "DeterministicModelParallelStrategy" and "(fork)" in run["launcher"]
+    assert run["batch_shape"] == [[4, 17]] and run["device"] == "cpu" and run["torch"] == torch.__version__
+    assert run["memory"] == "cpu_peak_rss_of_process" and run["comm_profiled_every"] == COMM_EVERY
+    for name in ("ddp2", "fsdp2", "tp2"):
+        for step in load_baseline(runs[name])["steps"]:
+            assert len(step["peak_memory_bytes"]) == 2 and all(v > 0 for v in step["peak_memory_bytes"])
+            if step["step"] % COMM_EVERY == 1:
+                assert all(v > 0 for v in step["comm_seconds"]), (name, step["comm_seconds"])
+            else:
+                assert step["comm_seconds"] == [None, None]
+    assert load_baseline(runs["tp2"])["run"]["mesh"]["shape"] == [1, 2]
+
+
+def test_another_learning_rate_is_reported_at_its_step(runs, capsys):
+    table = compare_runs([(n, load_baseline(runs[n])) for n in ("one", "lr")], DEFAULT_RTOL, DEFAULT_ATOL)
+    first = table["runs"][1]["first"]
+    assert first["step"] == 4 and first["name"].startswith("param_norms[")  # the gradients of step 4 still agree
+    assert cli(["compare", str(runs["one"]), str(runs["fsdp2"]), str(runs["lr"])]) == 1
+    out = capsys.readouterr().out
+    assert "step 4, param_norms[" in out and "1 of 2 runs diverge" in out
+
+
+def test_a_skipped_all_reduce_is_reported_at_its_step_parameter_and_rank(runs, capsys):
+    table = compare_runs([(n, load_baseline(runs[n])) for n in ("one", "skip")], DEFAULT_RTOL, DEFAULT_ATOL)
+    first = table["runs"][1]["first"]
+    assert (first["step"], first["name"], first["b"]) == (3, "grad_norms[model.up.bias] on rank 1", 0.0)
+    by_rank = load_baseline(runs["skip"])["steps"][3]["by_rank"]
+    assert by_rank["grad_norms[model.up.bias]"][1] == 0.0 and by_rank["grad_norms[model.up.bias]"][0] > 0
+    assert all("by_rank" not in step for step in load_baseline(runs["skip"])["steps"][:3])
+    plot = runs["one"].parent / "runs.png"
+    assert cli(["compare", str(runs["one"]), str(runs["ddp2"]), str(runs["skip"]), "--plot", str(plot)]) == 1
+    assert "step 3, grad_norms[model.up.bias] on rank 1: " in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_figure_of_several_runs_marks_each_divergence(runs):
+    from lightning_determinism.divergence._compare_plot import make_runs_figure
+
+    names = ("one", "ddp2", "lr")
+    table = compare_runs([(n, load_baseline(runs[n])) for n in names], DEFAULT_RTOL, DEFAULT_ATOL)
+    fig = make_runs_figure(table, table["comparisons"])
+    loss_ax, diff_ax = fig.axes
+    assert [line.get_label() for line in loss_ax.lines] == ["one (reference)", "ddp2", "lr"]
+    assert any(t.get_text().startswith("lr: step 4, param_norms[") for t in loss_ax.texts)
+    assert "rtol = 0.0001" in [line.get_label() for line in diff_ax.lines]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _loop(model, recorder, x, y):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the parameters stay the start's: digests comparable
+    for _ in range(2):
+        recorder.begin_step(model)  # the step's memory and communication are measured from here
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        recorder.before_optimizer_step(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        recorder.after_optimizer_step(model, loss)
+    recorder.finish()
+
+
+def _fsdp2_loop(rank, world_size, path, x, y):
+    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",)))
+    recorder = BaselineRecorder(path, steps=2, comm_every=1)
+    recorder.set_run(strategy="fully_shard by hand")
+    _loop(model, recorder, x[rank::world_size], y[rank::world_size])
+
+
+def test_the_recorder_in_a_loop_records_the_whole_tensors_of_an_fsdp2_model(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    _loop(_model(), BaselineRecorder(tmp_path / "one.json", steps=2), x, y)
+    run_distributed(_fsdp2_loop, tmp_path, str(tmp_path / "fsdp2.json"), x, y)
+    one, fsdp2 = load_baseline(tmp_path / "one.json"), load_baseline(tmp_path / "fsdp2.json")
+    for a, b in zip(one["steps"], fsdp2["steps"], strict=True):
+        assert a["param_digests"] == b["param_digests"]  # the one-process digests, computed shard by shard
+        for group, rel_tol in (("grad_norms", 1e-6), ("param_norms", 1e-12)):  # float32 gradients summed apart
+            assert a[group].keys() == b[group].keys()
+            assert all(math.isclose(a[group][k], b[group][k], rel_tol=rel_tol) for k in a[group]), group
+    assert fsdp2["run"]["mesh"] == {"shape": [2], "dim_names": ["data_parallel"]}
+    assert fsdp2["run"]["strategy"] == "fully_shard by hand"
+    assert all(v > 0 for step in fsdp2["steps"] for v in step["comm_seconds"])
