@@ -20,6 +20,7 @@ model-parallel strategies shard that one-process model). They may differ by the 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -149,8 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        files = [str(record(name, out / f"{name}.json", steps=args.steps)) for name in names]
-        return cli(["compare", *files, "--plot", args.plot, *(["--json"] if args.json else [])])
+        plot = str(Path(args.plot).resolve())
+        for name in names:
+            record(name, out / f"{name}.json", steps=args.steps)
+        here = os.getcwd()
+        os.chdir(out)  # the table names the runs by their files: one.json, ddp2.json, ...
+        try:
+            return cli(["compare", *(f"{name}.json" for name in names), "--plot", plot, *(["--json"] * args.json)])
+        finally:
+            os.chdir(here)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Baselines across parallelisms: one process, DDP, FSDP2 and tensor parallel agree within the default tolerance
 (whole-tensor norms, not each rank's shard), and injected faults are found at their step and parameter.
 
-The runs are examples/compare_parallelisms.py's own (forked gloo ranks, 8 steps each), shared by every test here.
+The runs are examples/compare_parallelisms.py's own (its main: forked gloo ranks, 8 steps each), shared by every test
+here.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import sys
@@ -25,7 +28,7 @@ pytestmark = pytest.mark.distributed
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "compare_parallelisms.py"
 STEPS = 8
-COMM_EVERY = 3  # steps 1, 4 and 7 profiled
+COMM_EVERY = 5  # the example's: steps 1 and 6 profiled
 
 
 def _example():
@@ -63,9 +66,13 @@ class SkippedAllReduce(L.Callback):
 def runs(tmp_path_factory):
     example = _example()
     root = tmp_path_factory.mktemp("parallelisms")
-    paths = {}
-    for name in ("one", "ddp2", "fsdp2", "tp2"):
-        paths[name] = example.record(name, root / f"{name}.json", steps=STEPS, comm_every=COMM_EVERY)
+    plot, printed = root / "example.png", io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the example itself: its four runs, its table and its plot
+        status = example.main(["--steps", str(STEPS), "--out", str(root), "--plot", str(plot)])
+    assert status == 0, printed.getvalue()
+    assert "all 3 runs within rtol=0.0001, atol=1e-06 of one.json" in printed.getvalue()
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paths = {name: root / f"{name}.json" for name in ("one", "ddp2", "fsdp2", "tp2")}
     paths["lr"] = example.record("one", root / "lr.json", steps=STEPS, callbacks=[LearningRateFault(4, 2.0)])
     fault = SkippedAllReduce(3, "model.up.bias", rank=1)
     paths["skip"] = example.record("ddp2", root / "skip.json", steps=STEPS, callbacks=[fault])
@@ -88,7 +95,7 @@ def test_every_parallelism_stays_within_the_default_tolerance_of_one_process(run
     assert cli(["compare", *files, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["runs"]
     assert [r["verdict"] for r in rows[1:]] == ["within tolerance"] * 3
-    assert all(r["peak_memory_bytes"] > 0 and r["comm_steps"] == 3 for r in rows)
+    assert all(r["peak_memory_bytes"] > 0 and r["comm_steps"] == 2 for r in rows)
 
 
 def test_the_run_and_its_costs_are_recorded(runs):
