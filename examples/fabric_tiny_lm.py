@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--record-baseline", default=None, help="record the first steps' numbers into this file")
     parser.add_argument("--compare-baseline", default=None, help="check the first steps against this file")
     parser.add_argument("--save", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--stop-after-epoch", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--save-after-epoch", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -133,9 +133,8 @@ def train(args: argparse.Namespace) -> str:
         val_loss.reset()
         val_ppl.reset()
         state["epoch"] = epoch + 1
-        if args.save and state["epoch"] == args.stop_after_epoch:
-            fabric.save(args.save, state)
-            break
+        if args.save and state["epoch"] == args.save_after_epoch:
+            fabric.save(args.save, state)  # and go on: the uninterrupted run
     if recorder:
         recorder.finish()
     fingerprint = weights_fingerprint(model)
@@ -144,15 +143,15 @@ def train(args: argparse.Namespace) -> str:
 
 
 def resume_demo(args: argparse.Namespace) -> None:
-    """The uninterrupted run, and one stopped after an epoch and resumed in a new process; both fingerprints."""
+    """The uninterrupted run, which saves after an epoch, and that checkpoint resumed in a new process."""
     stop = max(1, args.epochs // 2)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "state.ckpt")
         straight, resumed = straight_and_resumed(
-            script_command(__file__, args), ["--save", path, "--stop-after-epoch", str(stop)], ["--resume-from", path]
+            script_command(__file__, args), ["--save", path, "--save-after-epoch", str(stop)], ["--resume-from", path]
         )
     print(f"uninterrupted {args.epochs} epochs:{'':22}{straight}")
-    print(f"stopped after epoch {stop}, resumed: {resumed}")
+    print(f"saved after epoch {stop}, resumed: {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 

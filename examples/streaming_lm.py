@@ -93,9 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sentences", type=int, default=1500, help="size of the generated corpus")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--data-dir", default=None, help="where the optimized dataset goes (default: a temporary one)")
-    parser.add_argument("--resume", action="store_true", help="stop mid-epoch, resume in a new process, compare")
+    parser.add_argument("--resume", action="store_true", help="checkpoint mid-epoch, resume in a new process, compare")
     parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--stop-at-step", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--save-at-step", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -103,14 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(args: argparse.Namespace) -> str:
     show_seed_lines()
     _, val_set, vocab_size = build_data(sentences=args.sentences)
-    every = max(1, args.stop_at_step)
-    checkpoints = [ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, every_n_train_steps=every)]
+    checkpoints = [ModelCheckpoint(dirpath=args.ckpt_dir, filename="{step}", save_top_k=-1,
+                                   every_n_train_steps=args.save_at_step)]  # fmt: skip
     trainer = L.Trainer(
         strategy="ddp_deterministic" if args.devices > 1 else "single_device_deterministic",
         accelerator="cpu",
         devices=args.devices,
         max_epochs=1,  # one long epoch, as in pretraining
-        max_steps=args.stop_at_step,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.resume:
             train(args)
             return
-        # The demo: the same directory for the three runs (each process reads it; none writes it again).
+        # The demo: the same directory for both runs (each process reads it; none writes it again).
         command = [sys.executable, __file__, "--data-dir", args.data_dir, "--devices", str(args.devices)]
         command += ["--workers", str(args.workers), "--batch-size", str(args.batch_size), "--seed", str(args.seed)]
         command += ["--sentences", str(args.sentences)]
@@ -165,10 +164,10 @@ def main(argv: list[str] | None = None) -> None:
         stop = max(1, steps // 2 + 1)  # in the middle of the epoch, at a worker other than the first
         ckpts = os.path.join(tmp, "ckpts")
         straight, resumed = straight_and_resumed(
-            command, ["--ckpt-dir", ckpts, "--stop-at-step", str(stop)], ["--resume-from", f"{ckpts}/last.ckpt"]
+            command, ["--ckpt-dir", ckpts, "--save-at-step", str(stop)], ["--resume-from", f"{ckpts}/step={stop}.ckpt"]
         )
     print(f"uninterrupted epoch:{'':27}{straight}")
-    print(f"stopped after step {stop} of {steps}, resumed: {resumed}")
+    print(f"checkpoint at step {stop} of {steps}, resumed: {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 

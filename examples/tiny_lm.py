@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="stop a run in the middle of an epoch, resume it in a new process, compare with an uninterrupted run",
+        help="checkpoint a run in the middle of an epoch, resume the checkpoint in a new process, compare the two",
     )
     parser.add_argument(
         "--invariant",
@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sentences", type=int, default=1500, help="size of the generated corpus (default 1500)")
     parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--stop-at-step", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--save-at-step", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -205,30 +205,24 @@ def script_command(script: str, args: argparse.Namespace) -> list[str]:
     return command + ["--sentences", str(args.sentences)]
 
 
-def straight_and_resumed(command: list[str], stop: list[str], resume: list[str]) -> tuple[str, str]:
-    """Fingerprints of an uninterrupted run and of one run with ``stop``, then resumed with ``resume`` in a new
-    process; the uninterrupted run goes side by side with the other two (they share nothing). The uninterrupted
-    run's validation lines are printed."""
+def straight_and_resumed(command: list[str], save: list[str], resume: list[str]) -> tuple[str, str]:
+    """Fingerprints of an uninterrupted run that writes a checkpoint on its way (``save``), and of a run resumed from
+    that checkpoint (``resume``) in a new process. The uninterrupted run's validation lines are printed."""
     import subprocess
 
-    # Two runs at once: each must pick its own rendezvous port, not share one inherited from this process.
+    # Each run picks its own rendezvous port, not one inherited from this process.
     env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}
 
-    def start(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(command + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    def fingerprint(process: subprocess.Popen, show_validation: bool = False) -> str:
-        out, err = process.communicate()
-        if process.returncode:
-            raise SystemExit(f"a phase of the resume demo failed:\n{err[-3000:]}")
+    def run(extra: list[str], show_validation: bool = False) -> str:
+        done = subprocess.run(command + extra, capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise SystemExit(f"a phase of the resume demo failed:\n{done.stderr[-3000:]}")
         if show_validation:
-            print("\n".join(line for line in out.splitlines() if line.startswith("epoch ")), flush=True)
-        return [line for line in out.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
+            print("\n".join(line for line in done.stdout.splitlines() if line.startswith("epoch ")), flush=True)
+        return [line for line in done.stdout.splitlines() if line.startswith("weights sha256:")][-1].split()[-1]
 
-    uninterrupted = start([])
-    fingerprint(start(stop))
-    resumed = fingerprint(start(resume))
-    return fingerprint(uninterrupted, show_validation=True), resumed
+    straight = run(save, show_validation=True)
+    return straight, run(resume)
 
 
 def show_seed_lines() -> None:
@@ -240,7 +234,7 @@ def show_seed_lines() -> None:
 
 
 def resume_demo(args: argparse.Namespace) -> None:
-    """The uninterrupted run and one stopped in the middle of an epoch, resumed in a new process; both fingerprints."""
+    """The uninterrupted run, checkpointing in the middle of an epoch, and the checkpoint resumed in a new process."""
     import math
     import tempfile
 
@@ -250,12 +244,12 @@ def resume_demo(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         straight, resumed = straight_and_resumed(
             script_command(__file__, args),
-            ["--ckpt-dir", tmp, "--stop-at-step", str(stop)],
-            ["--resume-from", os.path.join(tmp, "last.ckpt")],
+            ["--ckpt-dir", tmp, "--save-at-step", str(stop)],
+            ["--resume-from", os.path.join(tmp, f"step={stop}.ckpt")],
         )
     epoch, batch = divmod(stop, per_epoch)
     print(f"uninterrupted {_count(args.epochs, 'epoch')}:{'':33}{straight}")
-    print(f"stopped after step {stop} (epoch {epoch}, batch {batch} of {per_epoch}), resumed: {resumed}")
+    print(f"checkpoint at step {stop} (epoch {epoch}, batch {batch} of {per_epoch}), resumed: {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 
@@ -286,7 +280,6 @@ def main(argv: list[str] | None = None) -> str:
         accelerator="cpu",
         devices=args.devices,
         max_epochs=args.epochs,
-        max_steps=args.stop_at_step,  # -1: no limit; the resume demo stops a run in the middle of an epoch
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -295,7 +288,14 @@ def main(argv: list[str] | None = None) -> str:
         # so the result is the same for any --workers. (The strategy adds RNGStateCheckpoint by itself.)
         callbacks=[WorkerSeedCallback(per_sample=True)]
         + (
-            [ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, every_n_train_steps=max(1, args.stop_at_step))]
+            [
+                ModelCheckpoint(
+                    dirpath=args.ckpt_dir,
+                    filename="{step}",
+                    save_top_k=-1,
+                    every_n_train_steps=max(1, args.save_at_step),
+                )
+            ]  # fmt: skip
             if args.ckpt_dir
             else []
         ),

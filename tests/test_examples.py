@@ -102,8 +102,9 @@ HAVE_LITDATA = importlib.util.find_spec("litdata") is not None
 
 @pytest.fixture(scope="module")
 def resume_demos():
-    # Each demo runs an uninterrupted 2-epoch run beside a stopped and resumed one, and prints the uninterrupted
-    # run's validation lines: one pair of runs serves the resume claims and the Trainer-equals-Fabric claim.
+    # Each demo runs an uninterrupted 2-epoch run that checkpoints on its way, then resumes that checkpoint in a new
+    # process, and prints the uninterrupted run's validation lines: one pair of runs serves the resume claims and the
+    # Trainer-equals-Fabric claim.
     # Both demos at once: each spends much of its time starting processes, which the other one's work fills.
     trainer = _start("--resume", "--epochs", "2", *SMALL)
     fabric = _start("--resume", "--epochs", "2", *SMALL, example=FABRIC_EXAMPLE)
@@ -115,7 +116,7 @@ def test_tiny_lm_resume_demo_is_bitwise_from_the_middle_of_an_epoch(resume_demos
     out = resume_demos["trainer"]
     prints = re.findall(r":\s+([0-9a-f]{64})", out)
     assert len(prints) == 2 and prints[0] == prints[1]
-    position = re.search(r"stopped after step (\d+) \(epoch (\d+), batch (\d+) of (\d+)\)", out)
+    position = re.search(r"checkpoint at step (\d+) \(epoch (\d+), batch (\d+) of (\d+)\)", out)
     assert position and 0 < int(position.group(3)) < int(position.group(4))  # in the middle of an epoch
     assert "bitwise identical" in out
 
@@ -125,7 +126,7 @@ def test_fabric_resume_demo_is_bitwise(resume_demos):
     out = resume_demos["fabric"]
     prints = re.findall(r":\s+([0-9a-f]{64})", out)
     assert len(prints) == 2 and prints[0] == prints[1]
-    assert "stopped after epoch 1, resumed" in out and "bitwise identical" in out
+    assert "saved after epoch 1, resumed" in out and "bitwise identical" in out
 
 
 @pytest.mark.distributed
@@ -158,4 +159,4 @@ def test_streaming_example_resumes_a_litdata_epoch_bitwise():
     out = _run("--resume", "--sentences", "400", "--devices", "1", example=EXAMPLE.parent / "streaming_lm.py")
     fingerprints = re.findall(r"\b[0-9a-f]{64}\b", out)
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1], out
-    assert "stopped after step 9 of 16, resumed" in out and "bitwise identical" in out
+    assert "checkpoint at step 9 of 16, resumed" in out and "bitwise identical" in out
