@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism._compat.access import device_mesh_of
+from lightning_determinism._compat.access import device_mesh_of, launcher_start_method
+from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.divergence.baseline_recorder import BaselineMismatch, BaselineRecorder
 from lightning_determinism.divergence.run_metadata import mesh_description
 
@@ -49,7 +50,11 @@ class NumericalBaseline(BaselineRecorder, Callback):
         self.start()
         strategy = trainer.strategy
         launcher = strategy.launcher
-        start_method = getattr(strategy, "start_method", None)  # the deterministic strategies' own argument
+        start_method: str | None
+        if isinstance(launcher, MultiProcessingLauncher):
+            start_method = launcher_start_method(launcher)
+        else:
+            start_method = getattr(strategy, "start_method", None)  # the model-parallel strategy's own argument
         self.set_run(
             strategy=type(strategy).__name__,
             launcher=None

@@ -114,6 +114,8 @@ def test_the_run_and_its_costs_are_recorded(runs):
             else:
                 assert step["comm_seconds"] == [None, None]
     assert load_baseline(runs["tp2"])["run"]["mesh"]["shape"] == [1, 2]
+    ddp2 = load_baseline(runs["ddp2"])["run"]
+    assert ddp2["strategy"] == "DeterministicDDPStrategy" and "(fork)" in ddp2["launcher"] and ddp2["mesh"] is None
 
 
 def test_another_learning_rate_is_reported_at_its_step(runs, capsys):
