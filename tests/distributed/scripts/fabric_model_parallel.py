@@ -39,6 +39,7 @@ if __name__ == "__main__":
     strategy = DeterministicFabricModelParallelStrategy(parallelize, seed=SEED, tensor_parallel_size=2)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
+
     def steps(model, optimizer, first, record):
         for step, x in enumerate(data[first - 1 :], start=first):
             draws = {"default": torch.rand(3).tolist()}
