@@ -276,6 +276,7 @@ def test_report_describes_a_baseline_file_and_a_checkpoint(recorded, tmp_path, c
     out = capsys.readouterr().out
     assert "NumericalBaseline file" in out and "steps_recorded" in out and "recorded when it was written" in out
     assert re.search(r"^base_seed\s+2$", out, re.M)  # the seed of the run that wrote it, not this process's
+    assert re.search(r"^  run\n    torch\s+\S+\n", out, re.M) and re.search(r"^    seed\s+2$", out, re.M)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt_dir = tmp_path / "ckpt"

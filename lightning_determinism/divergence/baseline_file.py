@@ -206,7 +206,7 @@ def compare_baselines(
 
 
 def describe_baseline(data: dict[str, Any]) -> dict[str, Any]:
-    """What a baseline file says about the run that wrote it: world size, steps, quantities and its report.
+    """What a baseline file says about the run that wrote it: world size, steps, quantities, the run and its report.
 
     Examples:
         >>> describe_baseline({"format": 1, "world_size": 2, "steps": []})["world_size"]
@@ -220,6 +220,7 @@ def describe_baseline(data: dict[str, Any]) -> dict[str, Any]:
         "steps_recorded": len(steps),
         "parameters": len(first.get("grad_norms", {})),
         "quantities_per_step": len(quantities(first, first)) if first else 0,
+        "run": data.get("run"),
         "report": data.get("report"),
     }
 

@@ -207,7 +207,13 @@ def _report(args: argparse.Namespace) -> int:
     print(f"{path}: {description.pop('kind')}")
     width = max(len(key) for key in description)
     for key, value in description.items():
-        print(f"  {key:<{width}}  {value}")
+        if isinstance(value, dict) and value:  # a baseline's run: one line per entry
+            print(f"  {key}")
+            inner = max(len(k) for k in value)
+            for k, v in value.items():
+                print(f"    {k:<{inner}}  {v}")
+        else:
+            print(f"  {key:<{width}}  {value}")
     if recorded:
         print("\nrecorded when it was written:")
         _print_flags(recorded)
