@@ -82,20 +82,44 @@ def _rank() -> int:
     return _rank_and_world_size()[0]
 
 
-def _exact_mean_over_ranks(limbs: torch.Tensor, count: int, unusable: int) -> float:
-    """The mean of every rank's terms from each rank's exact sum and counts: the same bits on any world size.
-
-    NaN when a rank had no term, or a term that was not finite or too large for the exact sum.
-    """
-    totals = torch.cat((limbs, torch.tensor([count, unusable], dtype=torch.int64)))
-    if _distributed():
-        if dist.get_backend() == "nccl":
-            totals = totals.cuda()
-        dist.all_reduce(totals)  # int64: exact in any order
-        totals = totals.cpu()
+def _exact_mean(totals: torch.Tensor) -> float:
+    """The mean from summed ``[limbs (3), count, unusable]``; NaN when a term was unusable or there was none."""
     if int(totals[4]) > 0:
         return float("nan")
     return exact_mean(normalize(totals[:3]), totals[3])
+
+
+def _step_over_ranks(
+    limbs: torch.Tensor, count: int, unusable: int, named: list[tuple[str, torch.nn.Parameter]], record: dict[str, Any]
+) -> tuple[float, dict[str, Any]]:
+    """The step's loss over all ranks and the replicas' disagreements, from one ``all_gather`` (none on one process).
+
+    The loss: the mean of every rank's terms from each rank's exact sum and counts (int64, summed here in any
+    order: the same bits on any world size); NaN when a rank had no term, or one that was not finite or too large
+    for the exact sum. The disagreements: every rank's norm of each parameter held whole on every rank (DDP's
+    replicas, what tensor parallel leaves as plain tensors), where the ranks' bits differ: a skipped all-reduce shows
+    here at its step and parameter, whichever rank it hit.
+    """
+    totals = torch.cat((limbs, torch.tensor([count, unusable], dtype=torch.int64)))
+    if not _distributed():
+        return _exact_mean(totals), {}
+    keys = [f"{group}[{name}]" for group in ("grad_norms", "param_norms") for name, p in named if not is_dtensor(p)]
+    values = [record[key.split("[", 1)[0]].get(key.split("[", 1)[1][:-1]) for key in keys]
+    norms = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
+    mine = torch.cat((totals.view(torch.float64), norms))  # the counts' bits travel as float64 words, untouched
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    rows = torch.stack([g.cpu() for g in gathered])  # ranks x (5 + keys)
+    loss = _exact_mean(rows[:, :5].contiguous().view(torch.int64).sum(dim=0))
+    table = rows[:, 5:]
+    bits = table.contiguous().view(torch.int64)
+    differ = (bits != bits[:1]).any(dim=0)
+    by_rank = {
+        key: [None if math.isnan(v) else v for v in table[:, i].tolist()] for i, key in enumerate(keys) if differ[i]
+    }
+    return loss, by_rank
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -112,31 +136,6 @@ def _whole_norms(tensors: list[Any]) -> list[float | None]:
     sharded = [t for t in tensors if t is not None and is_dtensor(t)]
     found = iter(full_norms(sharded))
     return [None if t is None else next(found) if is_dtensor(t) else float(t.detach().double().norm()) for t in tensors]
-
-
-def _replica_disagreements(named: list[tuple[str, torch.nn.Parameter]], record: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's norm of each parameter held whole on every rank, for those where the ranks disagree.
-
-    DDP's replicas, and what tensor parallel leaves as plain tensors, must be bitwise equal; a skipped all-reduce
-    shows here at its step and parameter, whichever rank it hit. One ``all_gather`` (none on one process).
-    """
-    if not _distributed():
-        return {}
-    keys = [f"{group}[{name}]" for group in ("grad_norms", "param_norms") for name, p in named if not is_dtensor(p)]
-    if not keys:
-        return {}
-    values = [record[key.split("[", 1)[0]].get(key.split("[", 1)[1][:-1]) for key in keys]
-    mine = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    table = torch.stack([g.cpu() for g in gathered])  # ranks x keys
-    bits = table.view(torch.int64)
-    differ = (bits != bits[:1]).any(dim=0)
-    return {
-        key: [None if math.isnan(v) else v for v in table[:, i].tolist()] for i, key in enumerate(keys) if differ[i]
-    }
 
 
 def _gather_costs(costs: list[tuple[int, float | None]], steps: int) -> list[list[tuple[float, float]]]:
@@ -330,13 +329,12 @@ class BaselineRecorder:
         if not self.recording or not self._current:
             return
         record = dict(self._current)
-        record["loss"] = _exact_mean_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable)
-        self._reset_loss()
         named = list(module.named_parameters())
         params = [p for _, p in named]
         record["param_norms"] = dict(zip([n for n, _ in named], _whole_norms(params), strict=True))
         record["param_digests"] = dict(zip([n for n, _ in named], digests(params), strict=True))
-        by_rank = _replica_disagreements(named, record)
+        record["loss"], by_rank = _step_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable, named, record)
+        self._reset_loss()
         if by_rank:
             record["by_rank"] = by_rank
         self._current = {}
