@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_determinism.checkpoints.atomic import write_atomically
@@ -56,6 +55,13 @@ from lightning_determinism.divergence.baseline_file import (
     load_baseline,
     quantities,
 )
+from lightning_determinism.divergence.baseline_ranks import (
+    device_of,
+    gather_costs,
+    rank,
+    step_over_ranks,
+    whole_norms,
+)
 from lightning_determinism.divergence.run_metadata import (
     batch_shapes,
     device_description,
@@ -63,93 +69,15 @@ from lightning_determinism.divergence.run_metadata import (
     run_metadata,
 )
 from lightning_determinism.divergence.step_costs import DEFAULT_EVERY, StepCosts
-from lightning_determinism.divergence.tensor_digest import digests, full_norms, is_dtensor
+from lightning_determinism.divergence.tensor_digest import digests, is_dtensor
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, normalize, zero_limbs
+from lightning_determinism.exact import TERM_LIMIT, exact_sum, normalize, zero_limbs
 from lightning_determinism.seeding.backends import determinism_report
 from lightning_determinism.seeding.seeds import _rank_and_world_size
 
 
 class BaselineMismatch(RuntimeError):
     """A run left the recorded baseline: the message has the step, the quantity, both values and the difference."""
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return _rank_and_world_size()[0]
-
-
-def _exact_mean(totals: torch.Tensor) -> float:
-    """The mean from summed ``[limbs (3), count, unusable]``; NaN when a term was unusable or there was none."""
-    if int(totals[4]) > 0:
-        return float("nan")
-    return exact_mean(normalize(totals[:3]), totals[3])
-
-
-def _step_over_ranks(
-    limbs: torch.Tensor, count: int, unusable: int, named: list[tuple[str, torch.nn.Parameter]], record: dict[str, Any]
-) -> tuple[float, dict[str, Any]]:
-    """The step's loss over all ranks and the replicas' disagreements, from one ``all_gather`` (none on one process).
-
-    The loss: the mean of every rank's terms from each rank's exact sum and counts (int64, summed here in any
-    order: the same bits on any world size); NaN when a rank had no term, or one that was not finite or too large
-    for the exact sum. The disagreements: every rank's norm of each parameter held whole on every rank (DDP's
-    replicas, what tensor parallel leaves as plain tensors), where the ranks' bits differ: a skipped all-reduce shows
-    here at its step and parameter, whichever rank it hit.
-    """
-    totals = torch.cat((limbs, torch.tensor([count, unusable], dtype=torch.int64)))
-    if not _distributed():
-        return _exact_mean(totals), {}
-    keys = [f"{group}[{name}]" for group in ("grad_norms", "param_norms") for name, p in named if not is_dtensor(p)]
-    values = [record[key.split("[", 1)[0]].get(key.split("[", 1)[1][:-1]) for key in keys]
-    norms = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
-    mine = torch.cat((totals.view(torch.float64), norms))  # the counts' bits travel as float64 words, untouched
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    rows = torch.stack([g.cpu() for g in gathered])  # ranks x (5 + keys)
-    loss = _exact_mean(rows[:, :5].contiguous().view(torch.int64).sum(dim=0))
-    table = rows[:, 5:]
-    bits = table.contiguous().view(torch.int64)
-    differ = (bits != bits[:1]).any(dim=0)
-    by_rank = {
-        key: [None if math.isnan(v) else v for v in table[:, i].tolist()] for i, key in enumerate(keys) if differ[i]
-    }
-    return loss, by_rank
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    first = next(iter(module.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
-def _whole_norms(tensors: list[Any]) -> list[float | None]:
-    """Each whole tensor's 2-norm (``None`` for ``None``), in float64.
-
-    A ``DTensor``'s by :func:`full_norms` (one collective for all, no gather); a plain tensor's by ``Tensor.norm``, as
-    format 1 did (its bits unchanged: files recorded before still compare bitwise with today's runs).
-    """
-    sharded = [t for t in tensors if t is not None and is_dtensor(t)]
-    found = iter(full_norms(sharded))
-    return [None if t is None else next(found) if is_dtensor(t) else float(t.detach().double().norm()) for t in tensors]
-
-
-def _gather_costs(costs: list[tuple[int, float | None]], steps: int) -> list[list[tuple[float, float]]]:
-    """Every rank's ``(peak bytes, communication seconds)`` per step (NaN where there is none), rank by rank."""
-    rows = [(float(c[0]), math.nan if c[1] is None else float(c[1])) for c in costs[:steps]]
-    rows += [(math.nan, math.nan)] * (steps - len(rows))
-    mine = torch.tensor(rows, dtype=torch.float64).reshape(steps, 2)
-    if not _distributed():
-        return [[(float(a), float(b)) for a, b in mine.tolist()]]
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    return [[(float(a), float(b)) for a, b in g.cpu().tolist()] for g in gathered]
 
 
 class BaselineRecorder:
@@ -261,7 +189,7 @@ class BaselineRecorder:
         if self.mode != "record" or not self.recording:
             return
         if self._costs is None:
-            self._costs = StepCosts(self.comm_every, _device_of(module) if module is not None else None)
+            self._costs = StepCosts(self.comm_every, device_of(module) if module is not None else None)
         self._costs.begin(len(self.records))
 
     @property
@@ -276,16 +204,16 @@ class BaselineRecorder:
         if self.mode == "compare" and self._reference is None:
             self.start()
         if self.mode == "record" and self._costs is None:
-            self._costs = StepCosts(self.comm_every, _device_of(module))
+            self._costs = StepCosts(self.comm_every, device_of(module))
         if self._costs is not None:
             self._costs.pause()  # the collectives below are the recorder's, not the step's
         named = list(module.named_parameters())
         if "device" not in self.run_info:
-            self.run_info["device"] = device_description(_device_of(module))
+            self.run_info["device"] = device_description(device_of(module))
         if "mesh" not in self.run_info:
             sharded: Any = next((p for _, p in named if is_dtensor(p)), None)
             self.run_info["mesh"] = mesh_description(sharded.device_mesh if sharded is not None else None)
-        found = _whole_norms([p.grad for _, p in named])  # whole gradients (a collective when any is a DTensor)
+        found = whole_norms([p.grad for _, p in named])  # whole gradients (a collective when any is a DTensor)
         norms = {name: norm for (name, _), norm in zip(named, found, strict=True) if norm is not None}
         self._current = {
             "step": len(self.records),
@@ -331,9 +259,9 @@ class BaselineRecorder:
         record = dict(self._current)
         named = list(module.named_parameters())
         params = [p for _, p in named]
-        record["param_norms"] = dict(zip([n for n, _ in named], _whole_norms(params), strict=True))
+        record["param_norms"] = dict(zip([n for n, _ in named], whole_norms(params), strict=True))
         record["param_digests"] = dict(zip([n for n, _ in named], digests(params), strict=True))
-        record["loss"], by_rank = _step_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable, named, record)
+        record["loss"], by_rank = step_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable, named, record)
         self._reset_loss()
         if by_rank:
             record["by_rank"] = by_rank
@@ -368,8 +296,8 @@ class BaselineRecorder:
         costs = self._costs.steps if self._costs is not None else []
         if self._costs is not None:
             self._costs.close()
-        per_rank = _gather_costs(costs, len(self.records))
-        if _rank() != 0:
+        per_rank = gather_costs(costs, len(self.records))
+        if rank() != 0:
             return
         for i, record in enumerate(self.records):
             record["peak_memory_bytes"] = [int(rank[i][0]) if math.isfinite(rank[i][0]) else None for rank in per_rank]
@@ -404,7 +332,7 @@ class BaselineRecorder:
             if finite
             else "a non-finite value never matches; nonfinite_equal=True accepts identical ones"
         )
-        message = f"[rank: {_rank()}] step {step}: {name} is {got!r}, the baseline {self.path} has {want!r} ({why})"
+        message = f"[rank: {rank()}] step {step}: {name} is {got!r}, the baseline {self.path} has {want!r} ({why})"
         if self.on_mismatch == "raise":
             raise BaselineMismatch(message)
         if not self._warned:
