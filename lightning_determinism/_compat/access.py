@@ -189,12 +189,24 @@ def set_fabric_iterations(loader: Any, count: int) -> None:
         loader._num_iter_calls = count
 
 
+def replace_backward_sync_control(strategy: Any, replace: Callable[[Any], Any]) -> None:
+    """Put ``replace(control)`` in place of what a Fabric strategy's ``no_backward_sync`` enters."""
+    strategy._backward_sync_control = replace(_private(strategy, "_backward_sync_control"))
+
+
 def profiled_events(profiler: Any) -> list[tuple[str, float, bool]]:
     """A stopped ``torch.profiler.profile``'s events as ``(name, duration in µs, on a device)``, unparsed."""
     results = _private(_private(profiler, "profiler"), "kineto_results")
     if results is None:
         return []
     return [(e.name(), e.duration_ns() / 1e3, "cuda" in str(e.device_type()).lower()) for e in results.events()]
+
+
+def profiler_running() -> bool:
+    """Whether a torch profiler is collecting events in this process (a nested one would stop it)."""
+    import torch.autograd
+
+    return bool(_private(torch.autograd, "_profiler_enabled")())
 
 
 def metric_defaults(metric: Any) -> dict[str, Any]:
@@ -223,6 +235,7 @@ __all__ = [
     "metric_defaults",
     "module_trainer",
     "profiled_events",
+    "profiler_running",
     "set_fabric_iterations",
     "should_accumulate",
     "slurm_requeue",

@@ -132,6 +132,10 @@ PIECES: tuple[Piece, ...] = (
     Piece("lightning.fabric.wrappers._FabricDataLoader._dataloader, ._num_iter_calls",
           "the wrapped loader and the count Fabric derives the sampler's epoch from; restoring a run must set it",
           _assigns("lightning.fabric.wrappers:_FabricDataLoader", "_dataloader", "_num_iter_calls")),
+    Piece("lightning.fabric.strategies.ddp.DDPStrategy._backward_sync_control",
+          "what `fabric.no_backward_sync` enters; the invariant mode replaces it to reseed each micro-batch (Fabric has"
+          " no hook at a micro-batch's start)", _assigns("lightning.fabric.strategies.ddp:DDPStrategy",
+                                                          "_backward_sync_control")),
     # Lightning: launchers and strategy hooks the package overrides (a rename would silently disable the override)
     Piece(f"{_MP_LAUNCHER.replace(':', '.')}",
           "the spawn/fork launcher DDP strategies create; subclassed, as Lightning offers no launcher extension point",
@@ -223,11 +227,14 @@ PIECES: tuple[Piece, ...] = (
           lambda: hasattr(importlib.import_module("torch.utils.data._utils.worker"), "_worker_info")
           and _exists("torch.utils.data._utils.worker:WorkerInfo", "id", "num_workers", "seed", "dataset")()
           and _exists("torch.utils.data._utils.worker:_generate_state", "base_seed", "worker_id")()),
-    Piece("torch.profiler.profile.profiler.kineto_results.events() (name(), duration_ns(), device_type())",
+    Piece("torch.profiler.profile.profiler.kineto_results.events() (name(), duration_ns(), device_type()),"
+          " torch.autograd._profiler_enabled()",
           "a baseline's communication time sums the collectives of a profiled step; the public events() builds a"
-          " FunctionEvent tree of every operation first (10x the cost, 0.5 s for a GRU step)",
+          " FunctionEvent tree of every operation first (10x the cost, 0.5 s for a GRU step); a profiler the user"
+          " runs must not be stopped by a nested one (no public way to ask whether one runs)",
           lambda: _assigns("torch.profiler:profile", "profiler")()
           and _assigns("torch.autograd.profiler:profile", "kineto_results")()
+          and _exists("torch.autograd:_profiler_enabled")()
           and all(hasattr(_lookup("torch._C._autograd:_KinetoEvent"), a) for a in ("name", "duration_ns",
                                                                                     "device_type"))),
     Piece("torch._dynamo.decorators.mark_unbacked",

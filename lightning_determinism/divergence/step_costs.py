@@ -8,8 +8,9 @@ Communication: ``torch.profiler`` runs over one step in every ``every`` (steps 1
 carries the warm-up), from the step's beginning to just before the optimizer step (the recorder's own collectives
 come after, outside the window), and the durations of the collective operations it saw are summed: on CPU the gloo
 worker threads' spans (``gloo:all_reduce``, ``gloo:reduce_scatter``, ...), on CUDA the NCCL kernels' device time,
-else the ``c10d::*`` operations of the calling thread. Overlapped
-communication counts whole: it is time spent communicating, not time the step waited. Other steps record ``None``.
+else the ``c10d::*`` operations of the calling thread. Overlapped communication counts whole: it is time spent
+communicating, not time the step waited. Other steps record ``None``, and so does a profiled step while another
+profiler runs (Lightning's ``profiler="pytorch"``: the two cannot nest).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_determinism._compat.access import profiled_events
+from lightning_determinism._compat.access import profiled_events, profiler_running
 
 BACKEND_PREFIXES = ("gloo:", "nccl:")
 """The spans a process-group backend records for the work it executes (``gloo:all_reduce``, ...)."""
@@ -76,6 +77,11 @@ class StepCosts:
         >>> peak, seconds = costs.steps[0]
         >>> peak > 0, seconds is None, costs.memory_kind
         (True, True, 'cpu_peak_rss_of_process')
+        >>> from torch.profiler import profile
+        >>> with profile():  # a profiler of one's own: left alone, the step unmeasured
+        ...     costs = StepCosts(every=1); costs.begin(1); costs.pause(); costs.end()
+        >>> costs.steps[0][1] is None
+        True
     """
 
     def __init__(self, every: int = DEFAULT_EVERY, device: torch.device | None = None) -> None:
@@ -111,6 +117,8 @@ class StepCosts:
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
+            if profiler_running():  # the user's own (nested, it would stop theirs): this step goes unmeasured
+                return
             self._profiler = profile(activities=activities)
             self._profiler.start()
 
