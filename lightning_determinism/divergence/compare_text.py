@@ -44,7 +44,8 @@ def _mebibytes(value: int | None) -> str:
 
 def _milliseconds(row: dict[str, Any]) -> str:
     value = row["comm_seconds_per_step"]
-    return "-" if value is None else f"{value * 1e3:.3f} ms ({row['comm_steps']} steps)"
+    steps = row["comm_steps"]
+    return "-" if value is None else f"{value * 1e3:.3f} ms ({steps} step{'s' if steps != 1 else ''})"
 
 
 def _numbers(row: dict[str, Any]) -> str:
