@@ -20,6 +20,7 @@ model-parallel strategies shard that one-process model). They may differ by the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -150,13 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        plot = str(Path(args.plot).resolve())
+        plot = ["--plot", str(Path(args.plot).resolve())]
+        if importlib.util.find_spec("matplotlib") is None:  # the plot needs the `plot` extra
+            print('(no plot: matplotlib is not installed; pip install -e ".[plot]")', flush=True)
+            plot = []
         for name in names:
             record(name, out / f"{name}.json", steps=args.steps)
         here = os.getcwd()
         os.chdir(out)  # the table names the runs by their files: one.json, ddp2.json, ...
         try:
-            return cli(["compare", *(f"{name}.json" for name in names), "--plot", plot, *(["--json"] * args.json)])
+            return cli(["compare", *(f"{name}.json" for name in names), *plot, *(["--json"] * args.json)])
         finally:
             os.chdir(here)
 
