@@ -236,6 +236,7 @@ __all__ = [
     "module_trainer",
     "profiled_events",
     "profiler_running",
+    "replace_backward_sync_control",
     "set_fabric_iterations",
     "should_accumulate",
     "slurm_requeue",

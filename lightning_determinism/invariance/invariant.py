@@ -255,6 +255,15 @@ class InvariantTraining:
         torch.set_num_threads(self.threads)
         self._groups = pair_groups(world_size) if world_size > 1 else []
 
+    def set_base_seed(self, base_seed: int) -> None:
+        """A base seed settled after :meth:`setup_environment` (Fabric: a ``seed_everything`` after ``launch()``)."""
+        self.base_seed = base_seed
+        self._seeds = StepSeeds(base_seed, "micro-batch")
+
+    def begun(self) -> int:
+        """How many of this process's micro-batches of the current step have begun (0 .. ``K``)."""
+        return self._passes_in_window
+
     def last_micro_batch(self) -> bool:
         """Whether the micro-batch running now is the step's last on this process."""
         return self._passes_in_window == self.per_rank

@@ -12,6 +12,7 @@ import difflib
 import inspect
 from typing import Any
 
+from lightning_determinism.invariance.invariant import InvariantTraining
 from lightning_determinism.seeding.seeds import check_seed
 
 _FORWARDED_TO = {
@@ -75,6 +76,38 @@ def check_keywords(cls: type, mixin: type, kwargs: dict[str, Any]) -> None:
             f"{cls.__name__} got unexpected keyword argument(s) {listed}{hint}; it accepts:"
             f" {', '.join(sorted(accepted))}"  # type: ignore[arg-type]
         )
+
+
+def invariant_training(
+    global_batch_size: int | None, micro_batch_size: int | None, threads: int, steps: Any, debug_mode: Any,
+    topology: Any,
+) -> InvariantTraining | None:  # fmt: skip
+    """The invariant mode the Trainer's and Fabric's strategies were asked for (``None``: neither size given).
+
+    Raises:
+        ValueError: for one of the two sizes alone, kernels not deterministic (``steps``: SeedingSteps), a topology,
+            or sizes :class:`~lightning_determinism.invariance.invariant.InvariantTraining` refuses.
+
+    Examples:
+        >>> from lightning_determinism.strategies.seeding_steps import SeedingSteps
+        >>> invariant_training(8, 2, 1, SeedingSteps(None, "warn", None), "warn", None).micro_batches
+        4
+    """
+    if global_batch_size is None and micro_batch_size is None:
+        return None
+    if global_batch_size is None or micro_batch_size is None:
+        raise ValueError(
+            "world-size-invariant training needs both `global_batch_size` and `micro_batch_size`, got"
+            f" global_batch_size={global_batch_size!r}, micro_batch_size={micro_batch_size!r}"
+        )
+    if steps.debug_mode not in (1, 2):
+        raise ValueError(
+            "world-size-invariant training needs deterministic kernels: `debug_mode` must be 'warn' or"
+            f" 'error', got {debug_mode!r}"
+        )
+    if topology is not None:
+        raise ValueError("world-size-invariant training is data-parallel only: pass no `topology`")
+    return InvariantTraining(global_batch_size, micro_batch_size, threads)
 
 
 def check_planned_world(steps: Any, world_size: int) -> None:

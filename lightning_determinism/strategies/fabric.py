@@ -16,8 +16,10 @@ the Trainer's contract holds in a hand-written loop, at these points of Fabric's
    up, the first keyed like the Trainer's first training loader. A loader's epoch is the number of times it has
    been iterated, as Fabric counts it for ``DistributedSampler.set_epoch``.
 
-:class:`FabricRNGState` goes into the state of ``fabric.save``/``fabric.load``: every rank's RNG state and its
-loaders' generators and epoch counts, verified on restore like :class:`~lightning_determinism.RNGStateCheckpoint`.
+:class:`~lightning_determinism.strategies.fabric_state.FabricRNGState` (re-exported here) goes into the state of
+``fabric.save``/``fabric.load``: every rank's RNG state and its loaders' generators and epoch counts, verified on
+restore like :class:`~lightning_determinism.RNGStateCheckpoint`. World-size-invariant training in a hand-written loop:
+:mod:`~lightning_determinism.strategies.fabric_invariant`.
 """
 
 from __future__ import annotations
@@ -32,37 +34,23 @@ from lightning.fabric.strategies import (
     ModelParallelStrategy,
     SingleDeviceStrategy,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_determinism._compat.access import (
-    device_mesh_of,
-    fabric_inner_loader,
-    fabric_iterations,
-    set_fabric_iterations,
-)
+from lightning_determinism._compat.access import device_mesh_of, replace_backward_sync_control
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
-from lightning_determinism.data.positions import PLAN_ATTR
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.worker_seeding import LoaderSeeding
-from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.invariance.invariant import describe, keep_local_gradients
 from lightning_determinism.invariance.tree import PairwiseAllReduce
 from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
-from lightning_determinism.seeding.backends import determinism_report
-from lightning_determinism.seeding.rank_states import (
-    all_gather,
-    check_ranks,
-    digest,
-    other_seed_message,
-    verify_restored,
-)
-from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state
-from lightning_determinism.seeding.seeds import _rank_and_world_size, current_seeds, derive_seed, seed_all
-from lightning_determinism.strategies.arguments import check_keywords
+from lightning_determinism.strategies.arguments import check_keywords, invariant_training
+from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
+from lightning_determinism.strategies.fabric_state import FabricRNGState
 from lightning_determinism.strategies.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.strategies.seeding_steps import SeedingProperties, SeedingSteps
 
@@ -80,6 +68,12 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         topology: model-parallel degrees (a dict) or a :class:`~lightning_determinism.parallel.topology.Topology`.
         seed_workers: seed the workers, shuffle and generator of every loader passed to ``fabric.setup_dataloaders``.
         per_sample: also run each ``dataset[i]`` under RNG state derived from ``(base, epoch, i)``.
+        global_batch_size: ``B``, samples per optimizer step over all processes; with ``micro_batch_size`` it turns on
+            world-size-invariant training in a loop that marks its micro-batches
+            (:mod:`~lightning_determinism.strategies.fabric_invariant`; DDP and one device).
+        micro_batch_size: ``m``, samples per forward/backward pass: the ``batch_size`` of the training loader (the
+            first one passed to ``fabric.setup_dataloaders``).
+        invariant_threads: intra-op threads per process in the invariant mode (pinned; default 1).
         args: passed on to the strategy.
         kwargs: passed on to the strategy.
 
@@ -96,10 +90,23 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         topology: Topology | dict[str, Any] | None = None,
         seed_workers: bool = True,
         per_sample: bool = False,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        invariant_threads: int = 1,
         **kwargs: Any,
     ) -> None:
         check_keywords(type(self), DeterministicFabricStrategyMixin, kwargs)
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
+        invariant = invariant_training(global_batch_size, micro_batch_size, invariant_threads, self._ldet_steps,
+                                       debug_mode, topology)  # fmt: skip
+        self._ldet_invariant: FabricInvariantLoop | None = None
+        if invariant is not None:
+            if not isinstance(self, (DDPStrategy, SingleDeviceStrategy)):
+                raise ValueError(
+                    f"world-size-invariant training under Fabric runs on DeterministicFabricDDPStrategy and"
+                    f" DeterministicFabricSingleDeviceStrategy, got {type(self).__name__}"
+                )
+            self._ldet_invariant = FabricInvariantLoop(invariant, marks_micro_batches=isinstance(self, DDPStrategy))
         for name, value in (("seed_workers", seed_workers), ("per_sample", per_sample)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}")
@@ -107,6 +114,25 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         self._ldet_seeding: LoaderSeeding | None = None
         self._ldet_model_ready = False
         super().__init__(*args, **kwargs)
+        if self._ldet_invariant is not None and isinstance(self, DDPStrategy):
+            replace_backward_sync_control(self, lambda _: self._ldet_invariant.control())  # type: ignore[union-attr]
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """``K = B / (m * W)``: the micro-batches of one optimizer step on this process (known after ``launch()``).
+
+        Raises:
+            RuntimeError: without ``global_batch_size`` and ``micro_batch_size``, or before ``fabric.launch()``.
+        """
+        loop = self._ldet_invariant
+        if loop is None:
+            raise RuntimeError(
+                f"`micro_batches_per_rank` is the invariant mode's: pass `global_batch_size` and `micro_batch_size`"
+                f" to {type(self).__name__}"
+            )
+        if not loop.launched:
+            raise RuntimeError("`micro_batches_per_rank` is known once the ranks are: call `fabric.launch()` first")
+        return loop.invariant.per_rank
 
     @override
     def setup_environment(self) -> None:  # type: ignore[misc]
@@ -117,6 +143,14 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
             follow_mesh(self._ldet_steps, mesh, self.global_rank, self.world_size)  # type: ignore[attr-defined]
         # Announced at the first fabric.setup(model): a seed_everything() after launch() may still change it.
         self._ldet_steps.ranks_known(self.global_rank, self.world_size, announce=False)  # type: ignore[attr-defined]
+        loop = self._ldet_invariant
+        if loop is not None:
+            world_size: int = self.world_size  # type: ignore[attr-defined]
+            loop.invariant.setup_environment(self.global_rank, world_size, self._ldet_steps.base_seed)  # type: ignore[attr-defined,arg-type]
+            loop.launched = True
+            invariant = loop.invariant
+            rank_zero_info(describe(invariant.global_batch_size, invariant.micro_batch_size, world_size,
+                                    invariant.threads))  # fmt: skip
 
     def _ldet_model_built(self) -> None:
         """The first ``fabric.setup(model)``: a late ``seed_everything`` becomes the base; then ``base + rank``."""
@@ -127,6 +161,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         self._ldet_steps.adopt_later_seed(rank, self.world_size)  # type: ignore[attr-defined]
         self._ldet_steps.model_built(rank)
         self._ldet_steps.announce(rank)
+        if self._ldet_invariant is not None:
+            self._ldet_invariant.invariant.set_base_seed(self._ldet_steps.base_seed)  # type: ignore[arg-type]
 
     @override
     def setup_module_and_optimizers(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
@@ -138,11 +174,41 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def setup_module(self, module: torch.nn.Module) -> Any:  # type: ignore[misc]
         result = super().setup_module(module)  # type: ignore[misc]
         self._ldet_model_built()
+        if self._ldet_invariant is not None:
+            self._ldet_invariant.module_set_up(module, result)
+        return result
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+        loop = self._ldet_invariant
+        if loop is not None:
+            loop.before_backward()
+        super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+        if loop is not None:
+            loop.after_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        loop = self._ldet_invariant
+        if loop is not None:
+            loop.before_optimizer_step()
+        result = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        if loop is not None:
+            loop.after_optimizer_step()
         return result
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:  # type: ignore[misc]
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        loop = self._ldet_invariant
+        if loop is not None and not loop.train_loader_set_up:  # the first loader is the training one
+            if not self._ldet_model_ready:
+                raise RuntimeError(
+                    "world-size-invariant training orders the training loader by the base seed, settled at the first"
+                    " `fabric.setup(model, ...)`: call it before `fabric.setup_dataloaders(...)`"
+                )
+            dataloader = loop.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+            loop.train_loader_set_up = True
         if is_stateful_loader(dataloader):  # litdata: its own position, saved by FabricRNGState at the last batch
             return make_stateful(dataloader, None)
         stream = isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset)
@@ -167,6 +233,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def teardown(self) -> None:  # type: ignore[misc]
         super().teardown()  # type: ignore[misc]
         self._ldet_steps.restore_env()
+        if self._ldet_invariant is not None:
+            self._ldet_invariant.teardown()
 
 
 class DeterministicFabricDDPStrategy(DeterministicFabricStrategyMixin, DDPStrategy):
@@ -175,13 +243,17 @@ class DeterministicFabricDDPStrategy(DeterministicFabricStrategyMixin, DDPStrate
     Registered in Fabric as ``ddp_deterministic`` (popen), ``ddp_spawn_deterministic``, ``ddp_fork_deterministic``
     and ``ddp_notebook_deterministic``. On more than two processes the gradient buckets are reduced over a fixed tree
     of two-process all-reduces (:class:`~lightning_determinism.invariance.tree.PairwiseAllReduce`): the sums do not
-    depend on DDP's bucket layout, which a module set up again (a resumed loop) rebuilds.
+    depend on DDP's bucket layout, which a module set up again (a resumed loop) rebuilds. In the invariant mode
+    (``global_batch_size``, ``micro_batch_size``) DDP's own sync never runs: the gradient tree sums instead.
     """
 
     @override
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
-        if self.world_size > 2:
+        if self._ldet_invariant is not None:  # the tree sums (see fabric_invariant); DDP copies nothing into buckets
+            ddp.register_comm_hook(None, keep_local_gradients)  # type: ignore[arg-type]
+            ddp.require_backward_grad_sync = False
+        elif self.world_size > 2:
             ddp.register_comm_hook(None, PairwiseAllReduce(self.world_size, self.global_rank).reduce)  # type: ignore[arg-type]
         return ddp
 
@@ -243,145 +315,6 @@ def register_fabric_strategies() -> list[str]:
         description = f"{cls.__name__} {init_params or ''}".strip()
         STRATEGY_REGISTRY.register(name, cls, description=description, override=True, **init_params)
     return [name for name, _, _ in _REGISTRATIONS]
-
-
-FABRIC_STATE_KEY = "FabricRNGState"
-_FORMAT = 1
-
-
-def _inner(loader: Any) -> Any:
-    """The ``DataLoader`` inside Fabric's wrapper (or the loader itself)."""
-    return fabric_inner_loader(loader)
-
-
-def _generators(loader: Any) -> dict[str, torch.Generator]:
-    inner = _inner(loader)
-    found = {}
-    if getattr(inner, "generator", None) is not None:
-        found["generator"] = inner.generator
-    sampler = getattr(inner, "sampler", None)
-    if isinstance(sampler, RandomSampler) and sampler.generator is not None:
-        found["sampler_generator"] = sampler.generator
-    return found
-
-
-def _position(loader: Any) -> dict[str, Any] | None:
-    """Where a stream or a stateful loader stands inside its epoch (``None``: between epochs, or map-style)."""
-    inner = _inner(loader)
-    if is_stateful_loader(inner) and hasattr(inner, "_ldet_position_at"):
-        return inner._ldet_position_at(inner._ldet_batches, finished=inner._ldet_epoch_done)  # type: ignore[no-any-return]
-    position = getattr(inner, "_ldet_position", None)
-    if position is None or getattr(inner, "_ldet_epoch_done", True):
-        return None
-    return {"epoch": _iterations(loader) - 1, "stream": position.at(position.batches)}
-
-
-def _resume_at(loader: Any, position: dict[str, Any] | None) -> None:
-    """The loader's next iteration continues at ``position`` (see :func:`_position`)."""
-    if position is None:
-        return
-    inner = _inner(loader)
-    if "stream" in position:  # the next iter() serves the interrupted epoch again
-        set_fabric_iterations(loader, int(position["epoch"]))
-        inner._ldet_iterations = int(position["epoch"])
-    setattr(inner, PLAN_ATTR, position)
-
-
-def _iterations(loader: Any) -> int:
-    """How many times the loader was iterated (its epoch, as Fabric counts it)."""
-    return int(getattr(_inner(loader), "_ldet_iterations", fabric_iterations(loader)))
-
-
-class FabricRNGState:
-    """Every rank's RNG state and its loaders' positions, for ``fabric.save`` / ``fabric.load``.
-
-    Put it in the state dict next to the model and optimizer; Fabric calls :meth:`state_dict` on every rank when
-    saving (it gathers all ranks' states to the saving rank) and :meth:`load_state_dict` on every rank when loading.
-
-    Args:
-        loaders: the loaders returned by ``fabric.setup_dataloaders`` whose generators and epoch counts to keep.
-
-    Restores, per rank, the python, numpy, torch (CPU and CUDA) and tracker streams, each loader's generators and
-    the number of times it was iterated (Fabric's ``DistributedSampler`` epoch and the per-sample seeds follow it),
-    then verifies that every rank holds its own saved state. Map-style loaders: save between epochs (their position
-    inside an epoch is not kept). Streams (an ``IterableDataset``, litdata's ``StreamingDataLoader``) keep their
-    position: saved mid-epoch, the next ``iter(loader)`` after loading continues the interrupted epoch at the exact
-    sample (docs/streaming.md). A checkpoint from another world size: a warning, every rank reseeds from
-    ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived — reproducible, not the
-    uninterrupted run; never one rank's state copied to all.
-
-    Examples:
-        >>> state = FabricRNGState()
-        >>> sorted(state.state_dict())
-        ['base_seed', 'format', 'ranks', 'report', 'world_size']
-    """
-
-    def __init__(self, *loaders: Any) -> None:
-        self.loaders = loaders
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state, gathered from every rank (collective: call it on every rank)."""
-        rng = capture_rng_state()
-        loaders = [
-            {
-                "iterations": _iterations(loader),
-                "position": _position(loader),
-                **{key: gen.get_state() for key, gen in _generators(loader).items()},
-            }
-            for loader in self.loaders
-        ]
-        local = {"rng": rng, "digest": digest(rng), "loaders": loaders}
-        ranks = all_gather(local)
-        base = current_seeds()["base_seed"]
-        return {
-            "format": _FORMAT,
-            "world_size": len(ranks),
-            "base_seed": -1 if base is None else int(base),
-            "ranks": ranks,
-            "report": determinism_report(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's state (collective: call it on every rank)."""
-        ranks = check_ranks(state, FABRIC_STATE_KEY)
-        rank, world_size = _rank_and_world_size()
-        if len(self.loaders) != len(ranks[0].get("loaders", [])):
-            raise ValueError(
-                f"`{FABRIC_STATE_KEY}` was saved with {len(ranks[0].get('loaders', []))} loader(s) and is loaded"
-                f" into one with {len(self.loaders)}: pass the same loaders, in the same order"
-            )
-        same_world = state["world_size"] == world_size
-        entry = ranks[rank] if same_world else ranks[0]
-        iterations = [int(saved["iterations"]) for saved in entry["loaders"]]
-        for loader, count in zip(self.loaders, iterations, strict=True):
-            set_fabric_iterations(loader, count)  # Fabric sets the DistributedSampler's epoch from it
-            if hasattr(_inner(loader), "_ldet_iterations"):
-                _inner(loader)._ldet_iterations = count
-        base = int(state.get("base_seed", -1))
-        base = base if base >= 0 else int(current_seeds()["base_seed"] or 0)
-        if not same_world:
-            rank_zero_warn(
-                f"The Fabric checkpoint was written by {state['world_size']} ranks and is loaded on {world_size}: each"
-                f" rank reseeds from derive_seed(base={base}, 'resume', {sum(iterations)}, rank); the run stays"
-                " reproducible but is not bitwise the uninterrupted one.",
-                category=DeterminismWarning,
-            )
-            seed_all(derive_seed(base, "resume", sum(iterations), rank))
-            for index, loader in enumerate(self.loaders):
-                for key, gen in _generators(loader).items():
-                    gen.manual_seed(derive_seed(base, rank, "resume", sum(iterations), index, key))
-            return
-        for loader, saved in zip(self.loaders, entry["loaders"], strict=True):
-            _resume_at(loader, saved.get("position"))
-        message = other_seed_message(state.get("base_seed", -1), current_seeds()["base_seed"])
-        if message is not None:
-            rank_zero_warn(message, category=DeterminismWarning)
-        restore_rng_state(entry["rng"])
-        for loader, saved in zip(self.loaders, entry["loaders"], strict=True):
-            for key, gen in _generators(loader).items():
-                if key in saved:
-                    gen.set_state(saved[key])
-        verify_restored(state, rank, digest(capture_rng_state()))
 
 
 __all__ = [

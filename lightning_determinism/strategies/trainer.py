@@ -41,7 +41,7 @@ from lightning_determinism.invariance.tree import PairwiseAllReduce
 from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.seeding.isolation import EvaluationIsolation
-from lightning_determinism.strategies.arguments import check_keywords, check_planned_world
+from lightning_determinism.strategies.arguments import check_keywords, check_planned_world, invariant_training
 from lightning_determinism.strategies.launchers import (
     adopt_parent_from_env,
     destroy_gloo_group_at_exit,
@@ -99,21 +99,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
     ) -> None:
         check_keywords(type(self), DeterministicStrategyMixin, kwargs)
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
-        self.invariant: InvariantTraining | None = None
-        if global_batch_size is not None or micro_batch_size is not None:
-            if global_batch_size is None or micro_batch_size is None:
-                raise ValueError(
-                    "world-size-invariant training needs both `global_batch_size` and `micro_batch_size`, got"
-                    f" global_batch_size={global_batch_size!r}, micro_batch_size={micro_batch_size!r}"
-                )
-            if self._ldet_steps.debug_mode not in (1, 2):
-                raise ValueError(
-                    "world-size-invariant training needs deterministic kernels: `debug_mode` must be 'warn' or"
-                    f" 'error', got {debug_mode!r}"
-                )
-            if topology is not None:
-                raise ValueError("world-size-invariant training is data-parallel only: pass no `topology`")
-            self.invariant = InvariantTraining(global_batch_size, micro_batch_size, invariant_threads)
+        self.invariant: InvariantTraining | None = invariant_training(
+            global_batch_size, micro_batch_size, invariant_threads, self._ldet_steps, debug_mode, topology
+        )
         self._ldet_eval_guard = UnevenEvalGuard()
         self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
         self._ldet_isolation = EvaluationIsolation(self._ldet_steps)  # evaluation never moves training's streams

@@ -1,0 +1,170 @@
+"""``FabricRNGState``: every rank's RNG state and its loaders' positions in ``fabric.save`` / ``fabric.load``.
+
+The state half of the Fabric seeding contract (:mod:`~lightning_determinism.strategies.fabric` holds the strategies):
+what a hand-written loop saves next to its model and optimizer so that a resumed loop draws what the uninterrupted
+one drew.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import RandomSampler
+
+from lightning_determinism._compat.access import fabric_inner_loader, fabric_iterations, set_fabric_iterations
+from lightning_determinism.data.positions import PLAN_ATTR
+from lightning_determinism.data.stateful import is_stateful_loader
+from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.seeding.backends import determinism_report
+from lightning_determinism.seeding.rank_states import (
+    all_gather,
+    check_ranks,
+    digest,
+    other_seed_message,
+    verify_restored,
+)
+from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state
+from lightning_determinism.seeding.seeds import _rank_and_world_size, current_seeds, derive_seed, seed_all
+
+FABRIC_STATE_KEY = "FabricRNGState"
+_FORMAT = 1
+
+
+def _inner(loader: Any) -> Any:
+    """The ``DataLoader`` inside Fabric's wrapper (or the loader itself)."""
+    return fabric_inner_loader(loader)
+
+
+def _generators(loader: Any) -> dict[str, torch.Generator]:
+    inner = _inner(loader)
+    found = {}
+    if getattr(inner, "generator", None) is not None:
+        found["generator"] = inner.generator
+    sampler = getattr(inner, "sampler", None)
+    if isinstance(sampler, RandomSampler) and sampler.generator is not None:
+        found["sampler_generator"] = sampler.generator
+    return found
+
+
+def _position(loader: Any) -> dict[str, Any] | None:
+    """Where a stream or a stateful loader stands inside its epoch (``None``: between epochs, or map-style)."""
+    inner = _inner(loader)
+    if is_stateful_loader(inner) and hasattr(inner, "_ldet_position_at"):
+        return inner._ldet_position_at(inner._ldet_batches, finished=inner._ldet_epoch_done)  # type: ignore[no-any-return]
+    position = getattr(inner, "_ldet_position", None)
+    if position is None or getattr(inner, "_ldet_epoch_done", True):
+        return None
+    return {"epoch": _iterations(loader) - 1, "stream": position.at(position.batches)}
+
+
+def _resume_at(loader: Any, position: dict[str, Any] | None) -> None:
+    """The loader's next iteration continues at ``position`` (see :func:`_position`)."""
+    if position is None:
+        return
+    inner = _inner(loader)
+    if "stream" in position:  # the next iter() serves the interrupted epoch again
+        set_fabric_iterations(loader, int(position["epoch"]))
+        inner._ldet_iterations = int(position["epoch"])
+    setattr(inner, PLAN_ATTR, position)
+
+
+def _iterations(loader: Any) -> int:
+    """How many times the loader was iterated (its epoch, as Fabric counts it)."""
+    return int(getattr(_inner(loader), "_ldet_iterations", fabric_iterations(loader)))
+
+
+class FabricRNGState:
+    """Every rank's RNG state and its loaders' positions, for ``fabric.save`` / ``fabric.load``.
+
+    Put it in the state dict next to the model and optimizer; Fabric calls :meth:`state_dict` on every rank when
+    saving (it gathers all ranks' states to the saving rank) and :meth:`load_state_dict` on every rank when loading.
+
+    Args:
+        loaders: the loaders returned by ``fabric.setup_dataloaders`` whose generators and epoch counts to keep.
+
+    Restores, per rank, the python, numpy, torch (CPU and CUDA) and tracker streams, each loader's generators and
+    the number of times it was iterated (Fabric's ``DistributedSampler`` epoch and the per-sample seeds follow it),
+    then verifies that every rank holds its own saved state. Map-style loaders: save between epochs (their position
+    inside an epoch is not kept). Streams (an ``IterableDataset``, litdata's ``StreamingDataLoader``) keep their
+    position: saved mid-epoch, the next ``iter(loader)`` after loading continues the interrupted epoch at the exact
+    sample (docs/streaming.md). A checkpoint from another world size: a warning, every rank reseeds from
+    ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived — reproducible, not the
+    uninterrupted run; never one rank's state copied to all.
+
+    Examples:
+        >>> state = FabricRNGState()
+        >>> sorted(state.state_dict())
+        ['base_seed', 'format', 'ranks', 'report', 'world_size']
+    """
+
+    def __init__(self, *loaders: Any) -> None:
+        self.loaders = loaders
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, gathered from every rank (collective: call it on every rank)."""
+        rng = capture_rng_state()
+        loaders = [
+            {
+                "iterations": _iterations(loader),
+                "position": _position(loader),
+                **{key: gen.get_state() for key, gen in _generators(loader).items()},
+            }
+            for loader in self.loaders
+        ]
+        local = {"rng": rng, "digest": digest(rng), "loaders": loaders}
+        ranks = all_gather(local)
+        base = current_seeds()["base_seed"]
+        return {
+            "format": _FORMAT,
+            "world_size": len(ranks),
+            "base_seed": -1 if base is None else int(base),
+            "ranks": ranks,
+            "report": determinism_report(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's state (collective: call it on every rank)."""
+        ranks = check_ranks(state, FABRIC_STATE_KEY)
+        rank, world_size = _rank_and_world_size()
+        if len(self.loaders) != len(ranks[0].get("loaders", [])):
+            raise ValueError(
+                f"`{FABRIC_STATE_KEY}` was saved with {len(ranks[0].get('loaders', []))} loader(s) and is loaded"
+                f" into one with {len(self.loaders)}: pass the same loaders, in the same order"
+            )
+        same_world = state["world_size"] == world_size
+        entry = ranks[rank] if same_world else ranks[0]
+        iterations = [int(saved["iterations"]) for saved in entry["loaders"]]
+        for loader, count in zip(self.loaders, iterations, strict=True):
+            set_fabric_iterations(loader, count)  # Fabric sets the DistributedSampler's epoch from it
+            if hasattr(_inner(loader), "_ldet_iterations"):
+                _inner(loader)._ldet_iterations = count
+        base = int(state.get("base_seed", -1))
+        base = base if base >= 0 else int(current_seeds()["base_seed"] or 0)
+        if not same_world:
+            rank_zero_warn(
+                f"The Fabric checkpoint was written by {state['world_size']} ranks and is loaded on {world_size}: each"
+                f" rank reseeds from derive_seed(base={base}, 'resume', {sum(iterations)}, rank); the run stays"
+                " reproducible but is not bitwise the uninterrupted one.",
+                category=DeterminismWarning,
+            )
+            seed_all(derive_seed(base, "resume", sum(iterations), rank))
+            for index, loader in enumerate(self.loaders):
+                for key, gen in _generators(loader).items():
+                    gen.manual_seed(derive_seed(base, rank, "resume", sum(iterations), index, key))
+            return
+        for loader, saved in zip(self.loaders, entry["loaders"], strict=True):
+            _resume_at(loader, saved.get("position"))
+        message = other_seed_message(state.get("base_seed", -1), current_seeds()["base_seed"])
+        if message is not None:
+            rank_zero_warn(message, category=DeterminismWarning)
+        restore_rng_state(entry["rng"])
+        for loader, saved in zip(self.loaders, entry["loaders"], strict=True):
+            for key, gen in _generators(loader).items():
+                if key in saved:
+                    gen.set_state(saved[key])
+        verify_restored(state, rank, digest(capture_rng_state()))
+
+
+__all__ = ["FABRIC_STATE_KEY", "FabricRNGState"]
