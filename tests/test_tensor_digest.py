@@ -8,6 +8,7 @@ from lightning_determinism.divergence.tensor_digest import (
     Positions,
     combine,
     digest_of,
+    digests,
     hex_digest,
     partial_sums,
     reference_digest,
@@ -41,3 +42,10 @@ def test_a_permutation_changes_it_and_pieces_add_up(monkeypatch):
     assert hex_digest(combine(pieces[::-1])) == digest_of(tensor)
     monkeypatch.setattr(tensor_digest, "CHUNK", 3)  # chunk boundaries inside the tensor
     assert digest_of(tensor) == reference_digest(tensor)
+
+
+def test_many_tensors_in_one_call_are_each_their_own_digest(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(n, generator=gen) for n in (0, 1, 7, 40)] + [torch.arange(5), torch.ones(3).bool()]
+    monkeypatch.setattr(tensor_digest, "CHUNK", 16)  # the 40-element one goes the chunked way, the others together
+    assert digests(tensors) == [reference_digest(t) for t in tensors]
