@@ -94,13 +94,20 @@ def run_distributed(
         raise
 
 
+_HANDED_OUT: set[int] = set()  # every port given out in this session: jobs started early rebind theirs between fits
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this session has not handed out before."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def child_env(**extra: str) -> dict[str, str]:
