@@ -88,12 +88,11 @@ def _with_grids(data: list[Any] | None, ranks: list[dict[str, Any]]) -> list[Any
     return out
 
 
-def _count_batches_anew(checkpoint: dict[str, Any], data: list[Any]) -> list[Any]:
-    """A loader that restripes itself (litdata) on another world size: the loop counts the epoch's batches anew.
+def _count_from_zero(checkpoint: dict[str, Any]) -> None:
+    """Count the interrupted epoch's batches from 0 in Lightning's loop counters; idempotent.
 
-    Lightning's batch counter holds the interrupted epoch's batches on the old grid, and the loop stops at the new
-    grid's length: the restriped remainder was cut short (samples skipped). Counted from 0 (the offset of a checkpoint
-    written at a batch's end kept), the loop runs until the loader's remainder is exhausted.
+    The offset of a checkpoint written at a batch's end is kept; the loop then runs until the loaders' remainder is
+    exhausted.
     """
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
     current = progress.get("current")
@@ -101,6 +100,16 @@ def _count_batches_anew(checkpoint: dict[str, Any], data: list[Any]) -> list[Any
         done = int(current.get("processed", 0))
         for key in ("ready", "started", "processed", "completed"):
             current[key] = int(current.get(key, 0)) - done
+
+
+def _count_batches_anew(checkpoint: dict[str, Any], data: list[Any]) -> list[Any]:
+    """A loader that restripes itself (litdata) on another world size: the loop counts the epoch's batches anew.
+
+    Lightning's batch counter holds the interrupted epoch's batches on the old grid, and the loop stops at the new
+    grid's length: the restriped remainder was cut short (samples skipped). Counted from 0 (the offset of a checkpoint
+    written at a batch's end kept), the loop runs until the loader's remainder is exhausted.
+    """
+    _count_from_zero(checkpoint)
     fresh = {"batches": 0, "elastic": True, "origin": None}
     return [{**entry, **fresh} if entry is not None and "loader_state" in entry else entry for entry in data]
 
@@ -111,12 +120,7 @@ def _deal_anew(checkpoint: dict[str, Any], data: list[Any], old: int, new: int) 
     The loop counts the resumed epoch's batches from 0 (as for a restriped stream: :func:`_count_batches_anew`) and
     runs until the dealt rest is exhausted, which is never more batches than a whole epoch on the new world.
     """
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
-    current = progress.get("current")
-    if current and _mid_epoch(checkpoint):
-        done = int(current.get("processed", 0))
-        for key in ("ready", "started", "processed", "completed"):
-            current[key] = int(current.get(key, 0)) - done
+    _count_from_zero(checkpoint)
     rank_zero_info(
         f"The checkpoint was written mid-epoch by {old} ranks and is resumed on {new}: the samples of the"
         " interrupted epoch not trained yet are dealt to the new ranks (each once, in the uninterrupted run's order;"
