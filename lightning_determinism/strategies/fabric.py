@@ -18,8 +18,9 @@ the Trainer's contract holds in a hand-written loop, at these points of Fabric's
 
 :class:`~lightning_determinism.strategies.fabric_state.FabricRNGState` (re-exported here) goes into the state of
 ``fabric.save``/``fabric.load``: every rank's RNG state and its loaders' generators and epoch counts, verified on
-restore like :class:`~lightning_determinism.RNGStateCheckpoint`. World-size-invariant training in a hand-written loop:
-:mod:`~lightning_determinism.strategies.fabric_invariant`.
+restore like :class:`~lightning_determinism.RNGStateCheckpoint`, and in the invariant mode the step count (the strategy
+hands it its invariant state in ``save_checkpoint`` / ``load_checkpoint``). World-size-invariant training in a
+hand-written loop: :mod:`~lightning_determinism.strategies.fabric_invariant`.
 """
 
 from __future__ import annotations
@@ -196,6 +197,23 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         if loop is not None:
             loop.after_optimizer_step()
         return result
+
+    def _ldet_hand_invariant(self, state: Any) -> None:
+        """Give every ``FabricRNGState`` in ``state`` this strategy's invariant mode, which it saves or restores."""
+        if isinstance(state, dict):
+            for obj in state.values():
+                if isinstance(obj, FabricRNGState):
+                    obj.invariant = self._ldet_invariant
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+        self._ldet_hand_invariant(state)
+        super().save_checkpoint(path, state, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        self._ldet_hand_invariant(state)
+        return super().load_checkpoint(path, state, *args, **kwargs)  # type: ignore[misc]
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:  # type: ignore[misc]

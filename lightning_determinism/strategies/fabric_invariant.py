@@ -18,7 +18,10 @@ The Trainer knows where a micro-batch starts and ends; a Fabric loop says it wit
   forward with gradients enabled (a forward pre-hook on the module);
 - ``fabric.backward`` (the strategy's ``backward``) adds the micro-batch's gradient as a leaf; the ``K``-th climbs the
   tree with the other processes and leaves the mean gradient of all ``M`` micro-batches;
-- ``optimizer.step()`` (the strategy's ``optimizer_step``) counts the step.
+- ``optimizer.step()`` (the strategy's ``optimizer_step``) counts the step;
+- ``fabric.save`` / ``fabric.load`` of a :class:`~lightning_determinism.FabricRNGState` carry that count
+  (:meth:`FabricInvariantLoop.state`, :meth:`FabricInvariantLoop.load_state`): a resumed loop's micro-batches draw
+  the seeds of the steps it continues, not step 0's again.
 
 A loop that marks the micro-batches otherwise (a backward outside ``no_backward_sync``, the ``K``-th marked
 accumulating, a step before the ``K``-th backward) gets an error naming what to change: never other bits silently.
@@ -31,7 +34,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.invariance.invariant import InvariantTraining
 
 _LOOP = (
@@ -162,6 +167,68 @@ class FabricInvariantLoop:
         """The step is taken: the next micro-batch is the next step's first."""
         self.finished = False
         self.step += 1
+
+    def state(self) -> dict[str, int]:
+        """What ``fabric.save`` keeps (in :class:`~lightning_determinism.FabricRNGState`): the batch sizes, the step.
+
+        A save between the micro-batches of a step keeps no gradients: a warning, the resumed loop restarts the step.
+
+        Examples:
+            >>> FabricInvariantLoop(InvariantTraining(8, 2), marks_micro_batches=False).state()
+            {'global_batch_size': 8, 'micro_batch_size': 2, 'step': 0}
+        """
+        invariant = self.invariant
+        begun = invariant.begun()
+        if begun or self.finished:
+            rank_zero_warn(
+                f"`fabric.save` after {begun or invariant.per_rank} of the K={invariant.per_rank}"
+                f" micro-batches of step {self.step}, before its `optimizer.step()`: the checkpoint holds no gradients,"
+                f" a loop resumed from it restarts step {self.step} at its first micro-batch. Save after"
+                " `optimizer.step()`.",
+                category=DeterminismWarning,
+            )
+        return {"global_batch_size": invariant.global_batch_size, "micro_batch_size": invariant.micro_batch_size,
+                "step": self.step}  # fmt: skip
+
+    def load_state(self, saved: dict[str, Any] | None) -> None:
+        """``fabric.load``: continue at the saved step (``None``: a checkpoint without it, see below).
+
+        Raises:
+            ValueError: for a checkpoint written with another ``global_batch_size`` or ``micro_batch_size``.
+            RuntimeError: for a checkpoint without the step count loaded after this loop took steps (which step it
+                continues is unknown). Loaded before the first step it is a warning: the seeds restart at step 0.
+
+        Examples:
+            >>> loop = FabricInvariantLoop(InvariantTraining(8, 2), marks_micro_batches=False)
+            >>> loop.load_state({"global_batch_size": 8, "micro_batch_size": 2, "step": 5})
+            >>> loop.step
+            5
+        """
+        invariant = self.invariant
+        if saved is None:
+            if self.step > 0:
+                raise RuntimeError(
+                    f"{self._where()}: the checkpoint holds no step count of the invariant mode (written without"
+                    f" `global_batch_size`/`micro_batch_size`, or by an older lightning-determinism) and this loop"
+                    f" already took {self.step} step(s): which step it continues is unknown. Load it before the first"
+                    " `optimizer.step()`"
+                )
+            rank_zero_warn(
+                "The checkpoint holds no step count of the world-size-invariant mode (written without"
+                " `global_batch_size`/`micro_batch_size`, or by an older lightning-determinism): the micro-batch seeds"
+                " restart at step 0, so the resumed loop is not bitwise the uninterrupted one.",
+                category=DeterminismWarning,
+            )
+            return
+        for name, have in (("global_batch_size", invariant.global_batch_size),
+                           ("micro_batch_size", invariant.micro_batch_size)):  # fmt: skip
+            if int(saved[name]) != have:
+                raise ValueError(
+                    f"{self._where()}: `{name}` must be the checkpoint's to resume it: expected {int(saved[name])}"
+                    f" (saved), got {have}"
+                )
+        self.step = int(saved["step"])
+        self.finished = False
 
     def teardown(self) -> None:
         """Remove the forward pre-hook of one device."""

@@ -7,7 +7,7 @@ one drew.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -27,6 +27,9 @@ from lightning_determinism.seeding.rank_states import (
 )
 from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state
 from lightning_determinism.seeding.seeds import _rank_and_world_size, current_seeds, derive_seed, seed_all
+
+if TYPE_CHECKING:
+    from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
 
 FABRIC_STATE_KEY = "FabricRNGState"
 _FORMAT = 1
@@ -93,14 +96,23 @@ class FabricRNGState:
     ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived — reproducible, not the
     uninterrupted run; never one rank's state copied to all.
 
+    In the world-size-invariant mode (``global_batch_size``, ``micro_batch_size``) it also keeps the batch sizes and
+    the optimizer steps taken, from which the micro-batch seeds derive: a resumed loop continues the step count. The
+    strategy hands it its invariant state (:attr:`invariant`) in ``fabric.save`` and ``fabric.load``.
+
+    Attributes:
+        invariant: the strategy's invariant mode, or ``None``; set by the deterministic strategies at ``fabric.save``
+            and ``fabric.load``.
+
     Examples:
         >>> state = FabricRNGState()
         >>> sorted(state.state_dict())
-        ['base_seed', 'format', 'ranks', 'report', 'world_size']
+        ['base_seed', 'format', 'invariant', 'ranks', 'report', 'world_size']
     """
 
     def __init__(self, *loaders: Any) -> None:
         self.loaders = loaders
+        self.invariant: FabricInvariantLoop | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, gathered from every rank (collective: call it on every rank)."""
@@ -122,6 +134,7 @@ class FabricRNGState:
             "base_seed": -1 if base is None else int(base),
             "ranks": ranks,
             "report": determinism_report(),
+            "invariant": self.invariant.state() if self.invariant is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -133,6 +146,8 @@ class FabricRNGState:
                 f"`{FABRIC_STATE_KEY}` was saved with {len(ranks[0].get('loaders', []))} loader(s) and is loaded"
                 f" into one with {len(self.loaders)}: pass the same loaders, in the same order"
             )
+        if self.invariant is not None:  # the steps count over all ranks: the same on any world size
+            self.invariant.load_state(state.get("invariant"))
         same_world = state["world_size"] == world_size
         entry = ranks[rank] if same_world else ranks[0]
         iterations = [int(saved["iterations"]) for saved in entry["loaders"]]
