@@ -56,3 +56,11 @@ def _restore_global_state():
     torch.set_num_threads(threads)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pytest_collection_finish(session):
+    """Start the warm interpreter (tests/warm.py) while the first tests run, when a multi-process test will use it."""
+    if any(item.get_closest_marker("distributed") is not None for item in session.items):
+        from tests import warm
+
+        warm.prestart()

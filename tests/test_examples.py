@@ -4,30 +4,23 @@ model as a Fabric loop gives the same bits."""
 import importlib.util
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import warm
 from tests.helpers import CHILD_TIMEOUT_S, child_env
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
 FABRIC_EXAMPLE = EXAMPLE.parent / "fabric_tiny_lm.py"
 
 
-def _start(*args: str, example: Path = EXAMPLE) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(example), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=EXAMPLE.parent,
-        env=child_env(),
-    )
+def _start(*args: str, example: Path = EXAMPLE) -> warm.Process:
+    return warm.start([sys.executable, str(example), *args], cwd=EXAMPLE.parent, env=child_env())
 
 
-def _finish(process: subprocess.Popen, with_stderr: bool = False) -> str:
+def _finish(process: warm.Process, with_stderr: bool = False) -> str:
     out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
     assert process.returncode == 0, out[-3000:] + err[-3000:]
     return out + (err if with_stderr else "")

@@ -1,11 +1,11 @@
 """Fixtures shared by several multi-process test modules."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests import warm
 from tests.distributed import test_model_parallel_strategy as model_parallel
 from tests.distributed.test_resume import CONFIGS, SCRIPT
 from tests.helpers import CHILD_TIMEOUT_S, child_env
@@ -18,13 +18,12 @@ def resume_runs(tmp_path_factory):
     # One process per configuration (the straight run, then the resumes), two configurations at a time: a phase spends
     # much of its time starting processes and waiting on rendezvous, which the other one's work fills.
     pending = list(CONFIGS.items())
-    running: list[tuple[str, subprocess.Popen]] = []
+    running: list[tuple[str, warm.Process]] = []
     while pending or running:
         while pending and len(running) < 2:
             name, (env, steps) = pending.pop(0)
             command = [sys.executable, str(SCRIPT), "both", str(root / name), *map(str, steps)]
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=child_env(**env))  # fmt: skip
+            process = warm.start(command, env=child_env(**env))
             running.append((name, process))
         name, process = running.pop(0)
         out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
@@ -46,9 +45,7 @@ def model_parallel_runs(tmp_path_factory):
         "old": ([str(model_parallel.SCRIPT), str(root / "old"), old_config], {"GUARD": "off"}),
     }
     procs = {
-        name: subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(**env)
-        )  # fmt: skip
+        name: warm.start([sys.executable, *args], env=child_env(**env), merge_stderr=True)
         for name, (args, env) in commands.items()
     }
     done = {name: (proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for name, proc in procs.items()}

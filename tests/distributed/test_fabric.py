@@ -1,7 +1,6 @@
 """Fabric on two gloo ranks (the user's script re-run by the popen launcher): the seeding contract."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests import warm
 from tests.helpers import CHILD_TIMEOUT_S, child_env, env_without
 
 pytestmark = pytest.mark.distributed
@@ -18,10 +18,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "fabric_ranks.py"
 
 def test_two_fabric_ranks_build_the_same_weights_then_draw_apart(tmp_path):
     env = {**env_without("PL_GLOBAL_SEED"), "MASTER_PORT": child_env()["MASTER_PORT"]}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    process = warm.start([sys.executable, str(SCRIPT), str(tmp_path)], env=env)
+    out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
+    assert process.returncode == 0, err[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["strategy"] == "DeterministicFabricDDPStrategy"
     base = ranks[0]["base"]
@@ -34,4 +33,4 @@ def test_two_fabric_ranks_build_the_same_weights_then_draw_apart(tmp_path):
     for r, rank in enumerate(ranks):
         assert rank["draw"] == (torch.manual_seed(base + r), torch.rand(4))[1].tolist()
     assert ranks[0]["draw"] != ranks[1]["draw"]
-    assert f"Seed set to {base} by lightning_determinism (drawn on rank 0" in result.stderr + result.stdout
+    assert f"Seed set to {base} by lightning_determinism (drawn on rank 0" in err + out

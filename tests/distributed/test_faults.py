@@ -9,13 +9,13 @@ be bitwise the uninterrupted one (`test_resume.py`'s straight run of the same co
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
+from tests import warm
 from tests.distributed.test_resume import CONFIGS, SCRIPT, assert_continues, result
 from tests.helpers import CHILD_TIMEOUT_S, child_env
 
@@ -44,8 +44,7 @@ def _group_alive(pgid: int) -> bool:
 
 def _start(*args, env, session=False):
     command = [sys.executable, str(SCRIPT), *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(**env),
-                            start_new_session=session)  # fmt: skip
+    return warm.start(command, env=child_env(**env), session=session, merge_stderr=True)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY, RNGStateCheckpoint, _digest
 from lightning_determinism.seeding.rng import capture_rng_state, restore_rng_state
+from tests import warm
 from tests.helpers import CHILD_TIMEOUT_S, child_env, run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -47,13 +48,10 @@ CONFIGS = {
 
 
 def phase(*args, env=None, timeout=CHILD_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(**(env or {})),
-    )
+    command = [sys.executable, str(SCRIPT), *map(str, args)]
+    process = warm.start(command, env=child_env(**(env or {})))
+    out, err = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def ok(*args, env=None) -> str:
