@@ -6,7 +6,9 @@ suite's child processes do nothing before that import that would change it, so o
 once, then forks a child per request and runs the script there (``runpy.run_path`` as ``__main__``), as
 ``python script.py`` would: its own argv, environment, working directory, ``sys.path[0]`` (the script's directory),
 standard streams (files), optionally its own session (``start_new_session``), fresh entropy for ``random`` and
-NumPy, the thread count ``OMP_NUM_THREADS`` asks for, and the interpreter's normal exit (``atexit`` handlers run).
+NumPy, the thread count ``OMP_NUM_THREADS`` asks for, and the interpreter's exit: its non-daemon threads waited for,
+its ``atexit`` handlers run, its standard streams flushed; what the modules' teardown would finalize besides is not
+(a file left open and unflushed loses its buffer, as after ``os._exit``: the tests check what the scripts write).
 
 What a fork cannot give a child, a cold interpreter does: :func:`start` falls back to ``subprocess.Popen`` when the
 environment differs from the server's in anything an interpreter or torch reads while starting (``PYTHON*``,
@@ -268,9 +270,23 @@ def _run(script: str) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """End as the interpreter does (wait for the script's threads, run its ``atexit`` handlers, flush the standard
+    streams), without tearing the modules down: in a fork that touches every page the server shares (~1 s)."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's first step at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
     _script = _serve()
     if _script is not None:
-        _code = _run(_script)
-        sys.stdout.flush()
-        sys.exit(_code)  # the interpreter's own exit: atexit handlers, buffered streams
+        _exit(_run(_script))
