@@ -191,6 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--save-at-step", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
+    # How the ranks start (the tests fork them: no interpreter to start per rank); the README's runs use popen.
+    parser.add_argument("--start-method", default="popen", choices=("popen", "fork"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -202,7 +204,9 @@ def script_command(script: str, args: argparse.Namespace) -> list[str]:
     """The command line that runs ``script`` again with the settings of ``args`` (for the resume demos)."""
     command = [sys.executable, script, "--epochs", str(args.epochs), "--seed", str(args.seed)]
     command += ["--devices", str(args.devices), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-    return command + ["--sentences", str(args.sentences)]
+    command += ["--sentences", str(args.sentences)]
+    start_method = getattr(args, "start_method", "popen")  # the Fabric example's launch() starts popen ranks only
+    return command + (["--start-method", start_method] if start_method != "popen" else [])
 
 
 def straight_and_resumed(command: list[str], save: list[str], resume: list[str]) -> tuple[str, str]:
@@ -264,6 +268,8 @@ def main(argv: list[str] | None = None) -> str:
     strategy: str | L.pytorch.strategies.Strategy = (
         "ddp_deterministic" if args.devices > 1 else "single_device_deterministic"
     )
+    if args.devices > 1 and args.start_method != "popen":
+        strategy = DeterministicDDPStrategy(start_method=args.start_method)
     if args.invariant:
         # One optimizer step = 4 micro-batches of --batch-size windows, wherever they run; the step must divide the
         # training set, so the windows of the last partial step are cut off.
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> str:
         train_set.limit(len(train_set) // step * step)
         invariant = {"global_batch_size": step, "micro_batch_size": args.batch_size}
         strategy = (
-            DeterministicDDPStrategy(start_method="popen", **invariant)
+            DeterministicDDPStrategy(start_method=args.start_method, **invariant)
             if args.devices > 1
             else DeterministicSingleDeviceStrategy(device="cpu", **invariant)
         )

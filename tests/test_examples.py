@@ -31,6 +31,7 @@ def _run(*args: str, with_stderr: bool = False, example: Path = EXAMPLE) -> str:
 
 
 SMALL = ("--sentences", "250")  # a smaller corpus than the README's run: the same code, a sixth of the time
+FORK = ("--start-method", "fork")  # the ranks forked, not started as new interpreters (~4.5 s of imports each)
 
 
 @pytest.mark.distributed
@@ -71,7 +72,7 @@ def _in_process(capsys, *args: str) -> str:
 
 @pytest.mark.distributed
 def test_tiny_lm_invariant_mode_gives_one_fingerprint_on_one_and_two_processes(capsys):
-    two = _start("--invariant", "--devices", "2", "--epochs", "1", *SMALL)  # meanwhile, the one-device runs here
+    two = _start("--invariant", "--devices", "2", "--epochs", "1", *SMALL, *FORK)  # meanwhile, the one-device runs here
     one = _in_process(capsys, "--invariant", "--devices", "1", "--epochs", "1", *SMALL)
     other_seed = _in_process(capsys, "--invariant", "--devices", "1", "--epochs", "1", "--seed", "1", *SMALL)
     outs = [one, _finish(two, with_stderr=True)]
@@ -118,7 +119,9 @@ def resume_demos():
     # process, and prints the uninterrupted run's validation lines: one pair of runs serves the resume claims and the
     # Trainer-equals-Fabric claim.
     # Both demos at once: each spends much of its time starting processes, which the other one's work fills.
-    trainer = _start("--resume", "--epochs", "2", *SMALL)
+    # The Trainer's ranks forked (its popen runs: test_tiny_lm_gives_one_fingerprint_with_and_without_workers); the
+    # Fabric example's launch() starts popen ranks.
+    trainer = _start("--resume", "--epochs", "2", *SMALL, *FORK)
     fabric = _start("--resume", "--epochs", "2", *SMALL, example=FABRIC_EXAMPLE)
     return {"trainer": _finish(trainer), "fabric": _finish(fabric)}
 
