@@ -40,3 +40,19 @@ def test_a_non_finite_micro_batch_loss_makes_the_step_loss_nan(tmp_path):
     recorded = [step["loss"] for step in json.loads(path.read_text().replace("NaN", '"nan"'))["steps"]]
     assert recorded[0] == "nan" and recorded[1] == 1.5
     assert not math.isnan(recorded[1])
+
+
+def test_norms_keep_the_bits_of_a_float64_copys_norm():
+    # Format 1 recorded float(t.double().norm()); the recorder reads without the copy: the same bits, or files
+    # recorded before would no longer compare bitwise with today's runs.
+    from lightning_determinism.divergence.baseline_ranks import whole_norms
+
+    generator = torch.Generator().manual_seed(5)
+    tensors = [
+        (torch.randn(n, generator=generator) * 7).to(dtype)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        for n in (1, 31, 4097, 300_001)
+    ]
+    tensors += [torch.randn(64, 33, generator=generator).T, None]  # not contiguous; a parameter without a gradient
+    expected = [None if t is None else float(t.double().norm()) for t in tensors]
+    assert whole_norms(tensors) == expected

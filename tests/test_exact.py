@@ -93,3 +93,21 @@ def test_float32_and_half_inputs_convert_exactly():
     assert limbs_to_fraction(exact_sum(values)) == expected
     halves = values.bfloat16()
     assert limbs_to_fraction(exact_sum(halves)) == sum(Fraction(v) for v in halves.double().tolist())
+
+
+def test_the_python_fixed_point_of_a_term_is_exact_sums_bit_for_bit():
+    # The recorder's per-step loss takes the Python path; a sum of any terms must give exact_sum's limbs, rounding
+    # cases included: terms below 2**-12 round at 2**-64, halfway ones (x * 2**64 = k + 1/2) to even.
+    from lightning_determinism.exact import fixed_point, limbs_of
+
+    generator = torch.Generator().manual_seed(3)
+    scales = 2.0 ** torch.randint(-80, 40, (400,), generator=generator).double()
+    terms = torch.randn(400, generator=generator, dtype=torch.float64) * scales
+    halfway = torch.tensor([k * 2.0**-65 for k in (1, 3, 5, -1, -3, 7)], dtype=torch.float64)
+    terms = torch.cat((terms, halfway, torch.tensor([0.0, -0.0, 2.0**42 - 1, -(2.0**-1074)], dtype=torch.float64)))
+    for chunk in (terms[:1], terms[400:], terms):
+        assert torch.equal(limbs_of(sum(fixed_point(float(x)) for x in chunk)), exact_sum(chunk))
+    with pytest.raises(ValueError, match="below 2\\*\\*42"):
+        fixed_point(2.0**42)
+    with pytest.raises(ValueError, match="got nan"):
+        fixed_point(float("nan"))

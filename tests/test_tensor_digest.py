@@ -49,3 +49,27 @@ def test_many_tensors_in_one_call_are_each_their_own_digest(monkeypatch):
     tensors = [torch.randn(n, generator=gen) for n in (0, 1, 7, 40)] + [torch.arange(5), torch.ones(3).bool()]
     monkeypatch.setattr(tensor_digest, "CHUNK", 16)  # the 40-element one goes the chunked way, the others together
     assert digests(tensors) == [reference_digest(t) for t in tensors]
+
+
+def test_the_c_kernel_gives_the_torch_paths_lanes_bit_for_bit(monkeypatch):
+    # Every width it widens (uint8/bool zero-extended, int16/int32 sign-extended, 64-bit words, complex128's two),
+    # whole tensors of every size class and views with an offset: the kernel's lanes against the torch passes'.
+    from lightning_determinism.divergence import _digest_native, tensor_digest
+
+    if not _digest_native.KERNEL.available():
+        pytest.skip(f"no C kernel here: {_digest_native.KERNEL.failed}")
+    generator = torch.Generator().manual_seed(9)
+    tensors = [
+        torch.randn(n, generator=generator).to(dtype)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex128)
+        for n in (1, 5, 1000, 2 * tensor_digest.CHUNK + 3)
+    ]
+    tensors += [torch.randint(-128, 127, (777,), generator=generator, dtype=torch.int8),
+                torch.randint(0, 255, (777,), generator=generator, dtype=torch.uint8),
+                torch.randn(300, generator=generator) > 0,
+                torch.randn(40, 50, generator=generator)[3:, 7:]]  # fmt: skip
+    with_kernel = [tensor_digest.partial_sums(t) for t in tensors], tensor_digest._small_whole_lanes(tensors[:5])
+    monkeypatch.setattr(tensor_digest, "whole_lanes", lambda words: None)  # the torch path
+    without = [tensor_digest.partial_sums(t) for t in tensors], tensor_digest._small_whole_lanes(tensors[:5])
+    assert with_kernel == without
+    assert with_kernel[0][0] != with_kernel[0][1]  # not a constant

@@ -194,12 +194,18 @@ def replace_backward_sync_control(strategy: Any, replace: Callable[[Any], Any]) 
     strategy._backward_sync_control = replace(_private(strategy, "_backward_sync_control"))
 
 
-def profiled_events(profiler: Any) -> list[tuple[str, float, bool]]:
-    """A stopped ``torch.profiler.profile``'s events as ``(name, duration in µs, on a device)``, unparsed."""
+def profiled_events(profiler: Any, keep: Any = None) -> list[tuple[str, float, bool]]:
+    """A stopped ``torch.profiler.profile``'s events as ``(name, duration in µs, on a device)``, unparsed.
+
+    ``keep(name)``: only the events it accepts (the others' durations are never read: a training step records
+    thousands of events, and each read crosses into C++).
+    """
     results = _private(_private(profiler, "profiler"), "kineto_results")
     if results is None:
         return []
-    return [(e.name(), e.duration_ns() / 1e3, "cuda" in str(e.device_type()).lower()) for e in results.events()]
+    named = ((e, e.name()) for e in results.events())
+    return [(name, e.duration_ns() / 1e3, "cuda" in str(e.device_type()).lower())
+            for e, name in named if keep is None or keep(name)]  # fmt: skip
 
 
 def profiler_running() -> bool:

@@ -80,7 +80,12 @@ def whole_norms(tensors: list[Any]) -> list[float | None]:
     """
     sharded = [t for t in tensors if t is not None and is_dtensor(t)]
     found = iter(full_norms(sharded))
-    return [None if t is None else next(found) if is_dtensor(t) else float(t.detach().double().norm()) for t in tensors]
+    return [None if t is None else next(found) if is_dtensor(t) else _norm(t) for t in tensors]
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    """``float(tensor.double().norm())`` (format 1's bits) without the float64 copy: the norm upcasts as it reads."""
+    return float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64))
 
 
 def gather_costs(costs: list[tuple[int, float | None]], steps: int) -> list[list[tuple[float, float]]]:

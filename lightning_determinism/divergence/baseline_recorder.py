@@ -71,7 +71,7 @@ from lightning_determinism.divergence.run_metadata import (
 from lightning_determinism.divergence.step_costs import DEFAULT_EVERY, StepCosts
 from lightning_determinism.divergence.tensor_digest import digests, is_dtensor
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.exact import TERM_LIMIT, exact_sum, normalize, zero_limbs
+from lightning_determinism.exact import TERM_LIMIT, exact_sum, fixed_point, limbs_of, limbs_to_fraction
 from lightning_determinism.seeding.backends import determinism_report
 from lightning_determinism.seeding.seeds import _rank_and_world_size
 
@@ -222,7 +222,7 @@ class BaselineRecorder:
         }
 
     def _reset_loss(self) -> None:
-        self._loss_sum = zero_limbs()
+        self._loss_fixed = 0  # the exact sum of the step's terms, in units of 2**-64 (exact.fixed_point)
         self._loss_count = 0
         self._loss_unusable = 0  # non-finite, or too large for the exact sum: the step's loss is recorded as NaN
 
@@ -236,12 +236,17 @@ class BaselineRecorder:
         """
         if not self.recording:
             return
-        if isinstance(loss, torch.Tensor):
-            value = loss.detach().double().reshape(-1).cpu()
-        else:
-            value = torch.tensor([float(loss)], dtype=torch.float64)  # a Python float is a double: keep every bit
+        if not isinstance(loss, torch.Tensor) or loss.numel() == 1:  # a step's loss: Python integers, no torch ops
+            term = float(loss.detach().double().item()) if isinstance(loss, torch.Tensor) else float(loss)
+            if math.isfinite(term) and abs(term) < TERM_LIMIT:  # a Python float is a double: every bit kept
+                self._loss_fixed += fixed_point(term)
+                self._loss_count += 1
+            else:
+                self._loss_unusable += 1
+            return
+        value = loss.detach().double().reshape(-1).cpu()
         usable = torch.isfinite(value) & (value.abs() < TERM_LIMIT)
-        self._loss_sum = normalize(self._loss_sum + exact_sum(value[usable]))
+        self._loss_fixed += int(limbs_to_fraction(exact_sum(value[usable])) * 2**64)  # exact: an integer
         self._loss_count += int(usable.sum())
         self._loss_unusable += int((~usable).sum())
 
@@ -262,7 +267,8 @@ class BaselineRecorder:
         record["param_norms"] = dict(zip([n for n, _ in named], whole_norms(params), strict=True))
         if self.mode == "record":  # compare mode compares norms; digests only say "bitwise" between files
             record["param_digests"] = dict(zip([n for n, _ in named], digests(params), strict=True))
-        record["loss"], by_rank = step_over_ranks(self._loss_sum, self._loss_count, self._loss_unusable, named, record)
+        limbs = limbs_of(self._loss_fixed)
+        record["loss"], by_rank = step_over_ranks(limbs, self._loss_count, self._loss_unusable, named, record)
         self._reset_loss()
         if by_rank:
             record["by_rank"] = by_rank

@@ -32,6 +32,11 @@ DEFAULT_EVERY = 10
 """Profile one step in this many (steps 1, 11, 21, ...): see docs/divergence.md for what it costs."""
 
 
+def _may_be_a_collective(name: str) -> bool:
+    """Whether :func:`collective_seconds` may count an event of this name (the rest are not read further)."""
+    return name.startswith((*BACKEND_PREFIXES, DISPATCH_PREFIX)) or name.lower().startswith("nccl")
+
+
 def collective_seconds(events: Any) -> float:
     """The summed duration, in seconds, of the collectives among profiled ``(name, µs, on a device)`` events.
 
@@ -133,7 +138,7 @@ class StepCosts:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         profiler.stop()
-        self._seconds = collective_seconds(profiled_events(profiler))
+        self._seconds = collective_seconds(profiled_events(profiler, keep=_may_be_a_collective))
 
     def end(self) -> None:
         """The step ended: keep its peak memory and communication time."""

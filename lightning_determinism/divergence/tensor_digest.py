@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_determinism.divergence._digest_native import whole_lanes
+
 _MASK = (1 << 64) - 1
 _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers
 SALTS = (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03)  # one odd multiplier per lane: position i's key is i * salt
@@ -106,6 +108,10 @@ def partial_sums(local: torch.Tensor, positions: Positions | None = None) -> tup
     if it is not contiguous) and a few 64-bit words per element of one chunk of :data:`CHUNK` elements.
     """
     words, per = _words(local)
+    if positions is None:
+        found = whole_lanes(words)  # the C kernel: the same lanes in one pass (CPU)
+        if found is not None:
+            return found
     sums = [0, 0]
     for start in range(0, words.numel(), CHUNK):
         chunk = words[start : start + CHUNK].to(torch.int64)
@@ -133,6 +139,10 @@ def _small_whole_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]
     """
     words_of = [_words(t)[0] for t in tensors]
     device = words_of[0].device
+    if device.type == "cpu":
+        found = [whole_lanes(words) for words in words_of]  # the C kernel: one pass per tensor
+        if all(lanes is not None for lanes in found):
+            return found  # type: ignore[return-value]
     layout = (str(device), tuple(w.numel() for w in words_of))
     cached = _BATCHES.get(layout)
     if cached is None:  # a model's parameters (or gradients) come in the same sizes every step
@@ -140,24 +150,18 @@ def _small_whole_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]
         owner = torch.repeat_interleave(torch.arange(len(tensors), device=device), counts)
         starts = torch.cumsum(counts, 0) - counts
         index = torch.arange(int(counts.sum()), dtype=torch.int64, device=device) - starts[owner]
+        salts = torch.tensor([_signed(salt) for salt in SALTS], dtype=torch.int64, device=device)
+        keys = index[None, :] * salts[:, None]  # both lanes' position keys, [2, n]: the same every step
         if len(_BATCHES) >= 64:
             _BATCHES.clear()
-        cached = _BATCHES[layout] = (
-            owner,
-            index,
-            torch.empty_like(index),
-            torch.empty_like(index),
-            torch.empty_like(index),
-        )
-    owner, index, words, z, scratch = cached
+        cached = _BATCHES[layout] = (owner, keys, torch.empty_like(index), torch.empty_like(keys),
+                                     torch.empty_like(keys))  # fmt: skip
+    owner, keys, words, z, scratch = cached
     torch.cat([w.to(torch.int64) for w in words_of], out=words)
-    lanes = []
-    for salt in SALTS:
-        torch.mul(index, _signed(salt), out=z)
-        z.bitwise_xor_(words)
-        sums = torch.zeros(len(tensors), dtype=torch.int64, device=device).index_add_(0, owner, _mix_(z, scratch))
-        lanes.append([value & _MASK for value in sums.tolist()])
-    return list(zip(lanes[0], lanes[1], strict=True))
+    torch.bitwise_xor(keys, words, out=z)  # both lanes in one pass of each operation
+    sums = torch.zeros((2, len(tensors)), dtype=torch.int64, device=device).index_add_(1, owner, _mix_(z, scratch))
+    first, second = sums.tolist()
+    return [(a & _MASK, b & _MASK) for a, b in zip(first, second, strict=True)]
 
 
 def combine(parts: Sequence[tuple[int, int]]) -> tuple[int, int]:

@@ -203,19 +203,19 @@ def cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"lightning_determinism-{user}")
 
 
-def library_path(compiler: str, version: str, flags: list[str]) -> str:
-    """Where the library built by ``compiler`` (its ``--version`` text) with ``flags`` for this CPU is cached."""
-    key = hashlib.sha256("\0".join([SOURCE, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
-    return os.path.join(cache_dir(), f"row_stats_{key[:24]}.so")
+def library_path(compiler: str, version: str, flags: list[str], source: str = SOURCE, stem: str = "row_stats") -> str:
+    """Where the library built from ``source`` by ``compiler`` (its ``--version``) with ``flags`` is cached."""
+    key = hashlib.sha256("\0".join([source, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
+    return os.path.join(cache_dir(), f"{stem}_{key[:24]}.so")
 
 
-def _compile(compiler: str, flags: list[str], target: str) -> str | None:
+def _compile(compiler: str, flags: list[str], target: str, code: str = SOURCE) -> str | None:
     """Build the library into ``target``; the compiler's message on failure."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     source = f"{target[:-3]}_{os.getpid()}_{threading.get_ident()}.c"
     partial = f"{source}.so"
     with open(source, "w") as f:
-        f.write(SOURCE)
+        f.write(code)
     try:
         done = subprocess.run([compiler, *flags, "-x", "c", source, "-o", partial], capture_output=True, text=True)
     finally:
@@ -226,9 +226,16 @@ def _compile(compiler: str, flags: list[str], target: str) -> str | None:
     return None
 
 
-def build() -> ctypes.CDLL:
-    """Compile (or find in the cache) and load the kernel.
+def _declare_row_stats(lib: ctypes.CDLL) -> None:
+    lib.ldet_row_stats.restype = None
+    lib.ldet_row_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
 
+
+def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare_row_stats) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load a kernel: the perplexity's by default.
+
+    Another kernel passes its ``source``, a file ``stem`` and ``declare``, which sets its functions' argument types.
     A cached file that does not load (truncated, another architecture's) is built again.
 
     Raises:
@@ -240,23 +247,21 @@ def build() -> ctypes.CDLL:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     errors = []
     for flags in _flag_sets():
-        target = library_path(compiler, version, flags)
+        target = library_path(compiler, version, flags, source, stem)
         if not os.path.exists(target):
-            error = _compile(compiler, flags, target)
+            error = _compile(compiler, flags, target, source)
             if error is not None:
                 errors.append(error)
                 continue
         try:
             lib = ctypes.CDLL(target)
         except OSError:
-            error = _compile(compiler, flags, target)
+            error = _compile(compiler, flags, target, source)
             if error is not None:
                 errors.append(error)
                 continue
             lib = ctypes.CDLL(target)
-        lib.ldet_row_stats.restype = None
-        lib.ldet_row_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+        declare(lib)
         return lib
     raise RuntimeError(f"{compiler} failed: {errors[-1] if errors else 'unknown error'}")
 
