@@ -76,6 +76,9 @@ def runs(tmp_path_factory):
     paths["lr"] = example.record("one", root / "lr.json", steps=STEPS, callbacks=[LearningRateFault(4, 2.0)])
     fault = SkippedAllReduce(3, "model.up.bias", rank=1)
     paths["skip"] = example.record("ddp2", root / "skip.json", steps=STEPS, callbacks=[fault])
+    # The example's --four run, FSDP2 x tensor parallel on 2 x 2 forked processes (without --four's other runs).
+    assert "fsdp2xtp2" in example.RUNS and example.RUNS["fsdp2xtp2"][:3] == (4, 2, 2)
+    paths["fsdp2xtp2"] = example.record("fsdp2xtp2", root / "fsdp2xtp2.json", steps=STEPS)
     return paths
 
 
@@ -96,6 +99,17 @@ def test_every_parallelism_stays_within_the_default_tolerance_of_one_process(run
     rows = json.loads(capsys.readouterr().out)["runs"]
     assert [r["verdict"] for r in rows[1:]] == ["within tolerance"] * 3
     assert all(r["peak_memory_bytes"] > 0 and r["comm_steps"] == 2 for r in rows)
+
+
+def test_fsdp2_by_tensor_parallel_on_four_processes_stays_within_the_default_tolerance(runs):
+    files = [str(runs[name]) for name in ("one", "fsdp2xtp2")]
+    table = compare_runs([(f, load_baseline(f)) for f in files], DEFAULT_RTOL, DEFAULT_ATOL)
+    assert [row["verdict"] for row in table["runs"]] == ["reference", "within tolerance"]
+    assert table["runs"][1]["max_rel"] < 1e-5
+    four = load_baseline(runs["fsdp2xtp2"])
+    assert four["world_size"] == 4 and len(four["steps"]) == STEPS
+    one = load_baseline(runs["one"])["steps"][0]
+    assert set(four["steps"][0]["grad_norms"]) == set(one["grad_norms"])  # whole tensors, every parameter
 
 
 def test_the_run_and_its_costs_are_recorded(runs):
