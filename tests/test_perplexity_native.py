@@ -97,7 +97,7 @@ def test_the_library_is_built_into_the_cache_directory_and_reused(monkeypatch, t
 def test_a_build_failure_warns_once_and_falls_back_to_inductors_values(monkeypatch):
     import warnings
 
-    def broken_build():
+    def broken_build(*args):
         raise RuntimeError("cc failed: no space left")
 
     gen = torch.Generator().manual_seed(2)

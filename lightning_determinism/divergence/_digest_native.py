@@ -13,10 +13,10 @@ Built once per machine with the C compiler on the ``PATH``, cached beside the pe
 from __future__ import annotations
 
 import ctypes
-import threading
-from typing import Any
 
 import torch
+
+from lightning_determinism.metrics._native import LazyLibrary
 
 SOURCE = r"""
 #include <stdint.h>
@@ -52,26 +52,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ldet_digest_lanes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
 
 
-class _Kernel:
-    def __init__(self) -> None:
-        self.lib: Any = None
-        self.failed: str | None = None
-        self._lock = threading.Lock()
-
-    def available(self) -> bool:
-        if self.lib is None and self.failed is None:
-            with self._lock:
-                if self.lib is None and self.failed is None:
-                    from lightning_determinism.metrics._native import build
-
-                    try:
-                        self.lib = build(SOURCE, "digest_lanes", _declare)
-                    except Exception as err:  # noqa: BLE001  (any toolchain failure: the torch path instead)
-                        self.failed = f"{type(err).__name__}: {err}"
-        return self.lib is not None
-
-
-KERNEL = _Kernel()
+KERNEL = LazyLibrary(SOURCE, "digest_lanes", _declare)
 
 
 def whole_lanes(words: torch.Tensor) -> tuple[int, int] | None:

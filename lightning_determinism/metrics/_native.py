@@ -266,27 +266,40 @@ def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare
     raise RuntimeError(f"{compiler} failed: {errors[-1] if errors else 'unknown error'}")
 
 
-class NativeKernel:
-    """:data:`SOURCE` built on first use; ``None`` from every call once building has failed in this process."""
+class LazyLibrary:
+    """A kernel's library (see :func:`build`), built on first use.
 
-    def __init__(self) -> None:
+    Once building has failed in this process, :meth:`available` is ``False`` for good and :attr:`failed` says why.
+    """
+
+    def __init__(self, source: str, stem: str, declare: Any) -> None:
+        self.source, self.stem, self.declare = source, stem, declare
         self.lib: Any = None
         self.failed: str | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """Row max, float64 sum of ``exp(x - max)`` and target logit of CPU ``logits`` ``[N, V]`` (not float64)."""
-        if self.failed is not None:
-            return None
-        if self.lib is None:
+    def available(self) -> bool:
+        """Whether the library is loaded (building it now if no attempt was made yet)."""
+        if self.lib is None and self.failed is None:
             with self._lock:  # threads of one process build once
                 if self.lib is None and self.failed is None:
                     try:
-                        self.lib = build()
+                        self.lib = build(self.source, self.stem, self.declare)
                     except Exception as err:  # noqa: BLE001  (any toolchain failure: the caller falls back)
                         self.failed = f"{type(err).__name__}: {err}"
-            if self.lib is None:
-                return None
+        return self.lib is not None
+
+
+class NativeKernel(LazyLibrary):
+    """:data:`SOURCE` built on first use; ``None`` from every call once building has failed in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(SOURCE, "row_stats", _declare_row_stats)
+
+    def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Row max, float64 sum of ``exp(x - max)`` and target logit of CPU ``logits`` ``[N, V]`` (not float64)."""
+        if not self.available():
+            return None
         n, vocab = logits.shape
         if vocab < 1:
             raise ValueError(f"`logits` must have at least one class, got shape {tuple(logits.shape)}")
@@ -317,4 +330,4 @@ class NativeKernel:
         )
 
 
-__all__ = ["CACHE_ENV", "NativeKernel", "SOURCE", "build", "cache_dir", "find_compiler", "library_path"]
+__all__ = ["CACHE_ENV", "LazyLibrary", "NativeKernel", "SOURCE", "build", "cache_dir", "find_compiler", "library_path"]
