@@ -31,6 +31,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_determinism.divergence._digest_native import whole_lanes
+from lightning_determinism.divergence.shard_positions import (
+    Positions,
+    global_index,
+    is_dtensor,
+    owns,
+    splits,
+    without_partial,
+)
 
 _MASK = (1 << 64) - 1
 _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers
@@ -74,31 +82,6 @@ def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     if width in _INT_OF_WIDTH:
         return tensor.view(_INT_OF_WIDTH[width]), 1
     return tensor.view(torch.int64), width // 8  # complex128: two words per element
-
-
-class Positions:
-    """The global flat index of each element of a shard, computed a chunk at a time (memory O(chunk)).
-
-    ``along[d]``: the global positions along dimension ``d`` that the shard holds, in order; ``shape``: the whole
-    tensor's.
-    """
-
-    def __init__(self, along: Sequence[torch.Tensor], shape: Sequence[int]) -> None:
-        self.along = list(along)
-        self.local_shape = [int(a.numel()) for a in self.along]
-        self.global_strides = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            self.global_strides[d] = self.global_strides[d + 1] * int(shape[d + 1])
-
-    def of(self, elements: torch.Tensor) -> torch.Tensor:
-        """The global flat indices of the shard's elements ``elements`` (row-major local flat indices)."""
-        index = torch.zeros_like(elements)
-        rest = elements
-        for d in range(len(self.along) - 1, -1, -1):
-            size = self.local_shape[d]
-            index += self.along[d].to(elements.device)[rest % size] * self.global_strides[d]
-            rest = rest // size
-        return index
 
 
 def partial_sums(local: torch.Tensor, positions: Positions | None = None) -> tuple[int, int]:
@@ -174,76 +157,6 @@ def hex_digest(lanes: tuple[int, int]) -> str:
     return f"{lanes[0]:016x}{lanes[1]:016x}"
 
 
-def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a ``DTensor`` (without importing torch.distributed.tensor)."""
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "placements")
-
-
-def _splits(placement: Any) -> bool:
-    """Whether a placement splits the tensor (``Shard``, or FSDP2 x tensor parallel's ``_StridedShard``)."""
-    from lightning_determinism._compat.access import is_strided_shard
-
-    return bool(placement.is_shard() or is_strided_shard(placement))
-
-
-_POSITIONS: dict[Any, Positions] = {}  # by (mesh, placements, shape): a model's layouts repeat every step
-_POSITIONS_KEPT = 4096
-
-
-def _global_index(tensor: Any) -> Positions:
-    """Where this rank's shard lies in the whole tensor, per dimension (no communication; O(size of a dimension)).
-
-    Cached by mesh, placements and shape (the shard's place depends on nothing else).
-    """
-    mesh = tensor.device_mesh
-    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(mesh.get_coordinate() or ()),
-           tuple(tensor.placements), tuple(tensor.shape), str(tensor.device))  # fmt: skip
-    found = _POSITIONS.get(key)
-    if found is None:
-        if len(_POSITIONS) >= _POSITIONS_KEPT:
-            _POSITIONS.clear()
-        found = _POSITIONS[key] = _compute_global_index(tensor)
-    return found
-
-
-def _compute_global_index(tensor: Any) -> Positions:
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from lightning_determinism._compat.access import dtensor_local, is_strided_shard, strided_shard_like
-
-    local = dtensor_local(tensor)
-    shape = tuple(tensor.shape)
-    along = []
-    for d in range(len(shape)):
-        splits = [i for i, p in enumerate(tensor.placements) if _splits(p) and p.dim % max(len(shape), 1) == d]
-        positions = torch.arange(shape[d], dtype=torch.int64, device=local.device)
-        if splits:  # this dimension's placements applied to its positions alone (sharding is separable by dimension)
-            placements = [
-                (strided_shard_like(p, 0) if is_strided_shard(p) else Shard(0)) if i in splits else Replicate()
-                for i, p in enumerate(tensor.placements)
-            ]
-            positions = dtensor_local(distribute_tensor(positions, tensor.device_mesh, placements, src_data_rank=None))
-        along.append(positions)
-    return Positions(along, shape)
-
-
-def owns(tensor: Any) -> bool:
-    """Whether this rank adds its shard: the first replica along every dimension the tensor is replicated on."""
-    coordinate = tensor.device_mesh.get_coordinate()
-    if coordinate is None:
-        return False
-    return all(_splits(p) or c == 0 for p, c in zip(tensor.placements, coordinate, strict=True))
-
-
-def _without_partial(tensor: Any) -> Any:
-    """A ``DTensor`` with pending reductions (``Partial``) reduced: their sum is its value (a collective)."""
-    if not is_dtensor(tensor) or not any(p.is_partial() for p in tensor.placements):
-        return tensor
-    from torch.distributed.tensor import Replicate
-
-    return tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
-
-
 def shard_lanes(tensor: Any) -> tuple[int, int]:
     """This rank's part of ``tensor``'s lanes, on every replica (no communication).
 
@@ -254,24 +167,17 @@ def shard_lanes(tensor: Any) -> tuple[int, int]:
     from lightning_determinism._compat.access import dtensor_local
 
     local = dtensor_local(tensor)
-    if not any(_splits(p) for p in tensor.placements):
+    if not any(splits(p) for p in tensor.placements):
         return partial_sums(local)
-    return partial_sums(local, _global_index(tensor))
+    return partial_sums(local, global_index(tensor))
 
 
 def local_lanes(tensor: Any) -> tuple[int, int]:
     """This rank's partial sums of ``tensor`` (a ``DTensor``: its shard, zero on replicas; else the whole)."""
     if not is_dtensor(tensor):
         return partial_sums(tensor)
-    tensor = _without_partial(tensor)
-    if not owns(tensor):
-        return 0, 0
-    from lightning_determinism._compat.access import dtensor_local
-
-    local = dtensor_local(tensor)
-    if not any(_splits(p) for p in tensor.placements):
-        return partial_sums(local)
-    return partial_sums(local, _global_index(tensor))
+    tensor = without_partial(tensor)
+    return shard_lanes(tensor) if owns(tensor) else (0, 0)
 
 
 def _local_parts(tensors: Sequence[torch.Tensor], local: Any) -> list[Any]:
@@ -280,7 +186,7 @@ def _local_parts(tensors: Sequence[torch.Tensor], local: Any) -> list[Any]:
 
     parts = []
     for tensor in tensors:
-        tensor = _without_partial(tensor)
+        tensor = without_partial(tensor)
         if not is_dtensor(tensor):
             parts.append(local(tensor))
         elif owns(tensor):
