@@ -148,6 +148,14 @@ class FabricRNGState:
             )
         if self.invariant is not None:  # the steps count over all ranks: the same on any world size
             self.invariant.load_state(state.get("invariant"))
+        elif state.get("invariant") is not None:
+            rank_zero_warn(
+                f"`{FABRIC_STATE_KEY}` was saved in the world-size-invariant mode (global_batch_size="
+                f"{state['invariant']['global_batch_size']}, micro_batch_size={state['invariant']['micro_batch_size']})"
+                " and is loaded without it: this loop draws other random numbers than the run it resumes. Pass the"
+                " same `global_batch_size` and `micro_batch_size` to the strategy to continue it bitwise.",
+                category=DeterminismWarning,
+            )
         same_world = state["world_size"] == world_size
         entry = ranks[rank] if same_world else ranks[0]
         iterations = [int(saved["iterations"]) for saved in entry["loaders"]]

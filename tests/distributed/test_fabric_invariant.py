@@ -162,6 +162,11 @@ def test_the_step_count_travels_in_the_state_and_the_batch_sizes_must_match():
             _bound_state().load_state_dict(other)
 
 
+def test_an_invariant_checkpoint_loaded_without_the_invariant_mode_warns():
+    with pytest.warns(DeterminismWarning, match=r"saved in the world-size-invariant mode \(global_batch_size=8"):
+        FabricRNGState().load_state_dict(_bound_state(step=3).state_dict())
+
+
 def test_a_checkpoint_without_the_step_count_warns_before_the_first_step_and_is_refused_after():
     old = FabricRNGState().state_dict()
     del old["invariant"]  # as an older lightning-determinism wrote it
