@@ -265,11 +265,8 @@ def main(argv: list[str] | None = None) -> str:
     show_seed_lines()
 
     train_set, val_set, vocab_size = build_data(sentences=args.sentences)
-    strategy: str | L.pytorch.strategies.Strategy = (
-        "ddp_deterministic" if args.devices > 1 else "single_device_deterministic"
-    )
-    if args.devices > 1 and args.start_method != "popen":
-        strategy = DeterministicDDPStrategy(start_method=args.start_method)
+    ddp = {"popen": "ddp_deterministic", "fork": "ddp_fork_deterministic"}[args.start_method]
+    strategy: str | L.pytorch.strategies.Strategy = ddp if args.devices > 1 else "single_device_deterministic"
     if args.invariant:
         # One optimizer step = 4 micro-batches of --batch-size windows, wherever they run; the step must divide the
         # training set, so the windows of the last partial step are cut off.
