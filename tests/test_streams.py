@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, OldStream, share
 from lightning_determinism.data.positions import PLAN_ATTR
 from lightning_determinism.data.resumable import make_resumable
-from lightning_determinism.data.streams import StreamIterator, StreamPosition, Tagged, has_state_protocol
+from lightning_determinism.data.stream_state import has_state_protocol
+from lightning_determinism.data.streams import StreamIterator, StreamPosition, Tagged
 from lightning_determinism.errors import DeterminismWarning
 
 
@@ -213,7 +214,8 @@ def test_an_old_stream_runs_with_the_identity_it_had():
 def test_a_rank_that_would_have_one_batch_fewer_repeats_a_sample_and_says_so(monkeypatch):
     """9 samples left, 2 ranks, batches of 2: 4 each, then one more opens a third batch on rank 0 only."""
     import lightning_determinism.data.stream_loader as stream_loader
-    from lightning_determinism.data.streams import IsolatedStreams, StreamPlan
+    from lightning_determinism.data.stream_state import IsolatedStreams
+    from lightning_determinism.data.streams import StreamPlan
 
     uninterrupted = make_resumable(DataLoader(Noisy(), batch_size=3), None)
     iterator = iter(uninterrupted)

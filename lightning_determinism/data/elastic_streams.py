@@ -38,6 +38,13 @@ import torch.distributed.distributed_c10d as c10d
 
 from lightning_determinism._compat.data import hf_as_node, worker_info_as
 from lightning_determinism.data._index_skip import consume
+from lightning_determinism.data.stream_state import (
+    IsolatedStreams,
+    has_state_protocol,
+    item_digest,
+    seed_stream,
+    stream_seed,
+)
 from lightning_determinism.seeding.rng import restore_cpu_streams
 
 LAYOUT = ("world", "num_workers", "batch_size", "drop_last")
@@ -104,8 +111,6 @@ class OldStream:
     """One (rank, worker) stream of a grid, played in this process from the start of its epoch or its saved state."""
 
     def __init__(self, dataset: Any, base: int, epoch: int, grid: Grid, rank: int, worker: int) -> None:
-        from lightning_determinism.data.streams import IsolatedStreams, has_state_protocol, seed_stream, stream_seed
-
         self.dataset = copy.deepcopy(dataset)  # datasets keep their position on themselves (the state protocol)
         if is_hf(self.dataset):  # Hugging Face takes its node when split, not while it runs: give it the old one
             hf_as_node(self.dataset, rank, grid.world)
@@ -149,8 +154,6 @@ class OldStream:
 
 def skip_delivered(iterator: Iterator[Any], delivered: int, digest: int, checks: Checks) -> Iterator[Any]:
     """Drop the ``delivered`` items a stream had delivered; the last one's digest must be the saved one."""
-    from lightning_determinism.data.streams import item_digest
-
     if delivered > 0:
         if isinstance(iterator, OldStream):
             iterator.skip(delivered - 1)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_determinism.data.elastic_streams import LAYOUT, layout_of
+from lightning_determinism.data.stream_state import IsolatedStreams
 from lightning_determinism.data.streams import (
-    IsolatedStreams,
     StreamIterator,
     StreamPlan,
     StreamPosition,

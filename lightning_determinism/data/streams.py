@@ -25,86 +25,29 @@ plain values) and ``load_state_dict(state)`` (continue from there at the next ``
 from __future__ import annotations
 
 import contextlib
-import random
 import uuid
-import zlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_determinism._compat.data import hf_shuffles
 from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, elastic_items, skip_delivered
+from lightning_determinism.data.stream_state import (
+    IsolatedStreams,
+    has_state_protocol,
+    item_digest,
+    seed_stream,
+    stream_seed,
+)
 from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
-from lightning_determinism.seeding.seeds import derive_seed
 
 HISTORY = 16
 """Batches fetched beyond the consumed ones that a position can still be taken back from (Lightning fetches one)."""
 
 _ACTIVE: dict[str, tuple[int, Any, bool]] = {}
 """Per process: a stream's token -> (worker, dataset, whether its state travels with each batch)."""
-
-
-def has_state_protocol(dataset: object) -> bool:
-    """Whether ``dataset.state_dict()`` / ``load_state_dict()`` restore its position exactly (else it is replayed).
-
-    Examples:
-        >>> has_state_protocol(range(3))
-        False
-    """
-    if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
-        return False
-    if type(dataset).__module__.startswith("datasets."):  # Hugging Face: its state drops the shuffle buffer (#7901)
-        return not hf_shuffles(dataset)
-    return True
-
-
-def item_digest(item: Any) -> int:
-    """A cheap digest of one item (tensors by their first 64 KiB, shapes and dtypes; other values by ``repr``).
-
-    Examples:
-        >>> item_digest({"x": torch.arange(3)}) == item_digest({"x": torch.arange(3)})
-        True
-        >>> item_digest(torch.arange(3)) == item_digest(torch.arange(1, 4))
-        False
-    """
-    crc = 0
-    stack = [item]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1)[: 65536 // max(1, value.element_size())].cpu().contiguous()
-            crc = zlib.crc32(repr((tuple(value.shape), str(value.dtype))).encode(), crc)
-            crc = zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"", crc)
-        elif isinstance(value, np.ndarray):
-            stack.append(torch.from_numpy(np.ascontiguousarray(value)))
-        elif isinstance(value, dict):
-            for key in sorted(value, key=repr):
-                crc = zlib.crc32(repr(key).encode(), crc)
-                stack.append(value[key])
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed(value))
-        else:
-            crc = zlib.crc32(repr(value).encode(), crc)
-    return crc
-
-
-def stream_seed(base: int, rank: int, worker: int, epoch: int) -> int:
-    """The seed of (``rank``, ``worker``)'s stream in ``epoch``."""
-    return derive_seed(base, rank, "stream", worker, epoch)
-
-
-def seed_stream(seed: int, dataset: Any, epoch: int) -> None:
-    """Seed python, numpy and torch's CPU stream with ``seed`` and tell the dataset its epoch (``set_epoch``)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)
-    set_epoch = getattr(dataset, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
 
 
 class StreamPlan:
@@ -234,29 +177,6 @@ class TagCollate:
         state = {"dataset": dataset.state_dict(), "rng": capture_cpu_streams()} if stateful else None
         data = self.inner(items)
         return Tagged(worker, count, digest, state, _news(self.token), data)
-
-
-class IsolatedStreams:
-    """The python, numpy and torch CPU streams of a stream read in the main process, swapped in around its work."""
-
-    def __init__(self) -> None:
-        self._state: tuple[Any, Any, torch.Tensor] | None = None
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Within: the stream's streams are the global ones (seeded by the stream at its epoch's start)."""
-        outer = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        if self._state is not None:
-            random.setstate(self._state[0])
-            np.random.set_state(self._state[1])
-            torch.set_rng_state(self._state[2])
-        try:
-            yield
-        finally:
-            self._state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-            random.setstate(outer[0])
-            np.random.set_state(outer[1])
-            torch.set_rng_state(outer[2])
 
 
 class StreamPosition:
