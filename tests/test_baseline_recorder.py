@@ -45,7 +45,7 @@ def test_a_non_finite_micro_batch_loss_makes_the_step_loss_nan(tmp_path):
 def test_norms_keep_the_bits_of_a_float64_copys_norm():
     # Format 1 recorded float(t.double().norm()); the recorder reads without the copy: the same bits, or files
     # recorded before would no longer compare bitwise with today's runs.
-    from lightning_determinism.divergence.baseline_ranks import whole_norms
+    from lightning_determinism.divergence.baseline_ranks import StepRow
 
     generator = torch.Generator().manual_seed(5)
     tensors = [
@@ -54,5 +54,5 @@ def test_norms_keep_the_bits_of_a_float64_copys_norm():
         for n in (1, 31, 4097, 300_001)
     ]
     tensors += [torch.randn(64, 33, generator=generator).T, None]  # not contiguous; a parameter without a gradient
-    expected = [None if t is None else float(t.double().norm()) for t in tensors]
-    assert whole_norms(tensors) == expected
+    expected = {str(i): float(t.double().norm()) for i, t in enumerate(tensors) if t is not None}
+    assert StepRow().norms("grad_norms", [(str(i), t) for i, t in enumerate(tensors)]) == expected

@@ -68,8 +68,20 @@ def test_the_c_kernel_gives_the_torch_paths_lanes_bit_for_bit(monkeypatch):
                 torch.randint(0, 255, (777,), generator=generator, dtype=torch.uint8),
                 torch.randn(300, generator=generator) > 0,
                 torch.randn(40, 50, generator=generator)[3:, 7:]]  # fmt: skip
-    with_kernel = [tensor_digest.partial_sums(t) for t in tensors], tensor_digest._small_whole_lanes(tensors[:5])
-    monkeypatch.setattr(tensor_digest, "whole_lanes", lambda words: None)  # the torch path
-    without = [tensor_digest.partial_sums(t) for t in tensors], tensor_digest._small_whole_lanes(tensors[:5])
+
+    def runs(t):  # a 1-D tensor in two runs of its elements (an FSDP2 chunk's layout): each at its global start
+        flat, cut = t.reshape(-1), t.numel() // 3
+        pieces = [(flat[:cut], torch.arange(cut)), (flat[cut:], torch.arange(cut, flat.numel()))]
+        return [tensor_digest.partial_sums(p, Positions([at], [flat.numel()])) for p, at in pieces if p.numel()]
+
+    def lanes():
+        return ([tensor_digest.partial_sums(t) for t in tensors], tensor_digest._small_whole_lanes(tensors[:5]),
+                [runs(t) for t in tensors])  # fmt: skip
+
+    with_kernel = lanes()
+    assert Positions([torch.arange(3, 9)], [9]).start == 3 and Positions([torch.tensor([0, 2])], [3]).start is None
+    monkeypatch.setattr(tensor_digest, "whole_lanes", lambda words, start=0: None)  # the torch path
+    without = lanes()
     assert with_kernel == without
     assert with_kernel[0][0] != with_kernel[0][1]  # not a constant
+    assert [tensor_digest.combine(r) for r in with_kernel[2]] == with_kernel[0]  # the runs add up to the whole

@@ -87,9 +87,12 @@ class NumericalBaseline(BaselineRecorder, Callback):
         if not self.recording:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             # Lightning divides the loss by `accumulate_grad_batches` (exact for the powers of two that invariant
-            # mode uses); the step's loss is the mean of the undivided micro-batch losses on all ranks.
+            # mode uses); the step's loss is the mean of the undivided micro-batch losses on all ranks. A float64
+            # product in Python: the bits of torch's, without two operations on the tensor.
+            self.add_loss(float(loss.detach()) * trainer.accumulate_grad_batches)
+        elif isinstance(loss, torch.Tensor):
             self.add_loss(loss.detach().double() * trainer.accumulate_grad_batches)
         if self._current:  # this batch completed an optimizer step
             self.after_optimizer_step(pl_module)

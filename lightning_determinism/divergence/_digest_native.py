@@ -1,10 +1,11 @@
 """The digest's lanes of a whole CPU tensor in C: one pass over its words instead of a dozen torch passes.
 
 The same arithmetic as :func:`~lightning_determinism.divergence.tensor_digest.partial_sums` for a tensor held whole
-(element ``i`` at position ``i``): each word widened to 64 bits as torch's ``.to(torch.int64)`` widens it (uint8
-zero-extended, int16 and int32 sign-extended), ``mix(word ^ i * salt)`` summed modulo 2**64 per lane. Integer
-arithmetic only, so the lanes are the torch path's bit for bit (tested) on any compiler or CPU; only the speed
-differs (the figures: ``benchmarks/tensor_digest.py``, ``benchmarks/baseline_recorder.py``).
+or a run of it (word ``i`` of the run at position ``start + i``: an FSDP2 chunk): each word widened to 64 bits as
+torch's ``.to(torch.int64)`` widens it (uint8 zero-extended, int16 and int32 sign-extended), ``mix(word ^ position
+* salt)`` summed modulo 2**64 per lane. Integer arithmetic only, so the lanes are the torch path's bit for bit
+(tested) on any compiler or CPU; only the speed differs (the figures: ``benchmarks/tensor_digest.py``,
+``benchmarks/baseline_recorder.py``).
 
 Built once per machine with the C compiler on the ``PATH``, cached beside the perplexity's kernel
 (:mod:`lightning_determinism.metrics._native`); without a compiler, or if building fails, the torch path is used.
@@ -29,13 +30,13 @@ static inline uint64_t mix(uint64_t z) {
 
 #define LANES(TYPE, WIDEN)                                                          \
     for (int64_t i = 0; i < n; i++) {                                               \
-        uint64_t w = (uint64_t)(WIDEN)((const TYPE *)data)[i], k = (uint64_t)i;     \
+        uint64_t w = (uint64_t)(WIDEN)((const TYPE *)data)[i], k = start + i;       \
         s0 += mix(w ^ (k * 0x9E3779B97F4A7C15ULL));                                 \
         s1 += mix(w ^ (k * 0xD1B54A32D192ED03ULL));                                 \
     }
 
-/* sums[0], sums[1]: the two lanes over n words of `width` bytes, word i at position i. */
-void ldet_digest_lanes(const void *data, int64_t n, int width, uint64_t *sums) {
+/* sums[0], sums[1]: the two lanes over n words of `width` bytes, word i at position start + i. */
+void ldet_digest_lanes(const void *data, int64_t n, int width, uint64_t start, uint64_t *sums) {
     uint64_t s0 = 0, s1 = 0;
     if (width == 1) { LANES(uint8_t, uint64_t) }
     else if (width == 2) { LANES(int16_t, int64_t) }
@@ -49,18 +50,21 @@ void ldet_digest_lanes(const void *data, int64_t n, int width, uint64_t *sums) {
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.ldet_digest_lanes.restype = None
-    lib.ldet_digest_lanes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.ldet_digest_lanes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p]
 
 
 KERNEL = LazyLibrary(SOURCE, "digest_lanes", _declare)
 
 
-def whole_lanes(words: torch.Tensor) -> tuple[int, int] | None:
-    """The two lanes of a contiguous CPU integer view ``words`` (a tensor's bits), or ``None`` without the kernel."""
+def whole_lanes(words: torch.Tensor, start: int = 0) -> tuple[int, int] | None:
+    """The two lanes of a contiguous CPU integer view ``words`` (a tensor's bits), or ``None`` without the kernel.
+
+    Word ``i`` lies at position ``start + i`` of the whole tensor.
+    """
     if words.device.type != "cpu" or not words.is_contiguous() or not KERNEL.available():
         return None
     sums = (ctypes.c_uint64 * 2)()
-    KERNEL.lib.ldet_digest_lanes(words.data_ptr(), words.numel(), words.element_size(), sums)
+    KERNEL.lib.ldet_digest_lanes(words.data_ptr(), words.numel(), words.element_size(), start, sums)
     return int(sums[0]), int(sums[1])
 
 

@@ -1,19 +1,38 @@
-"""What every rank contributes to a baseline step: whole-tensor norms, the loss and the replicas' check, the costs.
+"""What every rank contributes to a baseline step: a row of int64 words, completed by the rows of all ranks.
 
-Each function is called on every rank (the collectives are the recorder's: one or none per call).
+A step's record needs every rank: its loss is the mean over all ranks' micro-batches, a sharded parameter's norm and
+digest are sums over its shards, and a parameter held whole on several ranks (DDP's replicas, what tensor parallel
+leaves replicated) is checked across them. Each rank puts its part of a step into one :class:`StepRow` (no
+communication; a plain tensor's norm and digest are final at once), and the rows of all ranks complete the record
+(:meth:`StepRow.complete`). The recorder gathers them with :func:`gather_rows`: in record mode the rows of all its
+steps once, when it writes the file (no collective during the steps), in compare mode each step's (one a step).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_determinism.divergence.tensor_digest import full_norms, is_dtensor
-from lightning_determinism.exact import exact_mean, normalize
+from lightning_determinism._compat.access import foreach_norms
+from lightning_determinism.divergence.tensor_digest import (
+    combine,
+    float_word,
+    hex_digest,
+    is_dtensor,
+    local_digest_lanes,
+    local_square_sums,
+    mesh_ranks,
+    signed_word,
+    word_float,
+)
+from lightning_determinism.exact import TOTAL_LIMIT
 from lightning_determinism.seeding.seeds import _rank_and_world_size
+
+_WORD = 1 << 32
 
 
 def distributed() -> bool:
@@ -26,80 +45,129 @@ def rank() -> int:
     return _rank_and_world_size()[0]
 
 
-def _exact_mean(totals: torch.Tensor) -> float:
-    """The mean from summed ``[limbs (3), count, unusable]``; NaN when a term was unusable or there was none."""
-    if int(totals[4]) > 0:
-        return float("nan")
-    return exact_mean(normalize(totals[:3]), totals[3])
-
-
-def step_over_ranks(
-    limbs: torch.Tensor, count: int, unusable: int, named: list[tuple[str, torch.nn.Parameter]], record: dict[str, Any]
-) -> tuple[float, dict[str, Any]]:
-    """The step's loss over all ranks and the replicas' disagreements, from one ``all_gather`` (none on one process).
-
-    The loss: the mean of every rank's terms from each rank's exact sum and counts (int64, summed here in any
-    order: the same bits on any world size); NaN when a rank had no term, or one that was not finite or too large
-    for the exact sum. The disagreements: every rank's norm of each parameter held whole on every rank (DDP's
-    replicas, what tensor parallel leaves as plain tensors), where the ranks' bits differ: a skipped all-reduce shows
-    here at its step and parameter, whichever rank it hit.
-    """
-    totals = torch.cat((limbs, torch.tensor([count, unusable], dtype=torch.int64)))
-    if not distributed():
-        return _exact_mean(totals), {}
-    keys = [f"{group}[{name}]" for group in ("grad_norms", "param_norms") for name, p in named if not is_dtensor(p)]
-    values = [record[key.split("[", 1)[0]].get(key.split("[", 1)[1][:-1]) for key in keys]
-    norms = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
-    mine = torch.cat((totals.view(torch.float64), norms))  # the counts' bits travel as float64 words, untouched
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    rows = torch.stack([g.cpu() for g in gathered])  # ranks x (5 + keys)
-    loss = _exact_mean(rows[:, :5].contiguous().view(torch.int64).sum(dim=0))
-    table = rows[:, 5:]
-    bits = table.contiguous().view(torch.int64)
-    differ = (bits != bits[:1]).any(dim=0)
-    by_rank = {
-        key: [None if math.isnan(v) else v for v in table[:, i].tolist()] for i, key in enumerate(keys) if differ[i]
-    }
-    return loss, by_rank
-
-
 def device_of(module: torch.nn.Module) -> torch.device:
     """Where a module's first parameter lives (CPU for a module without parameters)."""
     first = next(iter(module.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
 
 
-def whole_norms(tensors: list[Any]) -> list[float | None]:
-    """Each whole tensor's 2-norm (``None`` for ``None``), in float64.
+def plain_norms(tensors: list[torch.Tensor]) -> list[float]:
+    """Each tensor's ``float(tensor.double().norm())`` (format 1's bits, tested), in one ``_foreach_norm``.
 
-    A ``DTensor``'s by :func:`full_norms` (one collective for all, no gather); a plain tensor's by ``Tensor.norm``, as
-    format 1 did (its bits unchanged: files recorded before still compare bitwise with today's runs).
+    No float64 copy (the norm upcasts as it reads), one call and one copy to the host for all tensors.
     """
-    sharded = [t for t in tensors if t is not None and is_dtensor(t)]
-    found = iter(full_norms(sharded))
-    return [None if t is None else next(found) if is_dtensor(t) else _norm(t) for t in tensors]
+    if not tensors:
+        return []
+    norms = foreach_norms([t.detach() for t in tensors])
+    return torch.stack(norms).tolist()  # type: ignore[no-any-return]
 
 
-def _norm(tensor: torch.Tensor) -> float:
-    """``float(tensor.double().norm())`` (format 1's bits) without the float64 copy: the norm upcasts as it reads."""
-    return float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64))
+class StepRow:
+    """This rank's part of one baseline step, as int64 words (:attr:`words`), and how the ranks' words complete it.
+
+    :meth:`norms` and :meth:`digests` return what is final on this rank (a plain tensor's value; ``None`` for a
+    ``DTensor``'s, which :meth:`complete` fills in), :meth:`loss` takes the step's exact loss sum.
+
+    Examples:
+        >>> row = StepRow()
+        >>> row.norms("grad_norms", [("w", torch.tensor([3.0, 4.0])), ("b", None)])
+        {'w': 5.0}
+        >>> row.loss(3 << 64, 2, 0)  # a sum of 3.0 over 2 terms
+        >>> record = {"grad_norms": {"w": 5.0}}
+        >>> row.complete(record, [row.words])  # one rank: nothing differs
+        {}
+        >>> record["loss"]
+        1.5
+    """
+
+    def __init__(self) -> None:
+        self.words: list[int] = []
+        self._loss: int | None = None  # the first of its 5 words: limbs (3), count, unusable
+        self._replicas: list[tuple[str, int]] = []  # (key, word): a plain tensor's norm, the same bits on every rank
+        self._shared: list[tuple[str, str, int, list[int]]] = []  # (group, name, word, mesh ranks): a DTensor's
+
+    def norms(self, group: str, named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, float | None]:
+        """Each present tensor's 2-norm in float64, by name (``None`` for a ``DTensor``'s, until :meth:`complete`)."""
+        sharded = [t for _, t in named if t is not None and is_dtensor(t)]
+        squares = iter(local_square_sums(sharded))
+        plain = iter(plain_norms([t for _, t in named if t is not None and not is_dtensor(t)]))
+        values: dict[str, float | None] = {}
+        for name, tensor in named:
+            if tensor is not None and is_dtensor(tensor):
+                self._shared.append((group, name, len(self.words), mesh_ranks(tensor)))
+                self.words.append(float_word(next(squares)))
+                values[name] = None
+                continue
+            value = None if tensor is None else next(plain)
+            self._replicas.append((f"{group}[{name}]", len(self.words)))
+            self.words.append(float_word(math.nan if value is None else value))
+            if value is not None:
+                values[name] = value
+        return values
+
+    def digests(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str | None]:
+        """Each tensor's digest, by name (``None`` for a ``DTensor``'s, until :meth:`complete`)."""
+        values: dict[str, str | None] = {}
+        for (name, tensor), lanes in zip(named, local_digest_lanes([t for _, t in named]), strict=True):
+            if is_dtensor(tensor):
+                self._shared.append(("param_digests", name, len(self.words), mesh_ranks(tensor)))
+                self.words += [signed_word(lanes[0]), signed_word(lanes[1])]
+                values[name] = None
+            else:
+                values[name] = hex_digest(lanes)
+        return values
+
+    def loss(self, total: int, count: int, unusable: int) -> None:
+        """The step's loss terms on this rank: their exact sum in units of ``2**-64``, how many, how many unusable."""
+        units = total >> 64
+        if not -TOTAL_LIMIT < units < TOTAL_LIMIT:  # past int64's headroom over the ranks: not exact any more
+            units, unusable = 0, unusable + 1
+        self._loss = len(self.words)
+        self.words += [units, (total >> 32) & (_WORD - 1), total & (_WORD - 1), count, unusable]
+
+    def complete(self, record: dict[str, Any], rows: list[list[int]]) -> dict[str, list[float | None]]:
+        """Fill in ``record``'s loss and ``DTensor`` values from every rank's words; return the replicas' disagreements.
+
+        ``rows[r]``: global rank ``r``'s words. The disagreements: every rank's value where the ranks' bits differ.
+
+        The loss: the mean of every rank's terms from their exact sums (the same bits on any world size); NaN when
+        there was no term, or one that was not finite or too large for the exact sum.
+        """
+        if self._loss is not None:
+            units, high, low, count, unusable = (sum(row[self._loss + k] for row in rows) for k in range(5))
+            total = (units << 64) + (high << 32) + low
+            record["loss"] = math.nan if unusable or not count else total / (count << 64)  # correctly rounded
+        for group, name, word, ranks in self._shared:
+            if group == "param_digests":
+                lanes = [(rows[r][word], rows[r][word + 1]) for r in ranks]
+                record[group][name] = hex_digest(combine(lanes))
+            elif name in record[group]:
+                record[group][name] = math.sqrt(math.fsum(word_float(rows[r][word]) for r in ranks))
+        by_rank: dict[str, list[float | None]] = {}
+        for key, word in self._replicas:
+            if any(row[word] != rows[0][word] for row in rows):  # the bits differ: a skipped all-reduce
+                values = [word_float(row[word]) for row in rows]
+                by_rank[key] = [None if math.isnan(v) else v for v in values]
+        return by_rank
 
 
-def gather_costs(costs: list[tuple[int, float | None]], steps: int) -> list[list[tuple[float, float]]]:
-    """Every rank's ``(peak bytes, communication seconds)`` per step (NaN where there is none), rank by rank."""
-    rows = [(float(c[0]), math.nan if c[1] is None else float(c[1])) for c in costs[:steps]]
-    rows += [(math.nan, math.nan)] * (steps - len(rows))
-    mine = torch.tensor(rows, dtype=torch.float64).reshape(steps, 2)
+def gather_rows(rows: list[list[int]]) -> list[list[list[int]]]:
+    """Every rank's rows (the same number of words each), by global rank: one ``all_gather`` (none on one process).
+
+    Raises:
+        RuntimeError: if this rank's rows are not all of one width (the model changed its parameters mid-record).
+    """
+    widths = {len(row) for row in rows}
+    if len(widths) > 1:
+        raise RuntimeError(f"a baseline's steps must have one layout of words, got widths {sorted(widths)}")
     if not distributed():
-        return [[(float(a), float(b)) for a, b in mine.tolist()]]
+        return [rows]
+    mine = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), widths.pop() if widths else 0)
     if dist.get_backend() == "nccl":
         mine = mine.cuda()
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return [[(float(a), float(b)) for a, b in g.cpu().tolist()] for g in gathered]
+    return [g.cpu().tolist() for g in gathered]
 
 
-__all__ = ["device_of", "distributed", "gather_costs", "rank", "step_over_ranks", "whole_norms"]
+__all__ = ["StepRow", "device_of", "distributed", "gather_rows", "plain_norms", "rank"]

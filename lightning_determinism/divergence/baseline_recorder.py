@@ -27,6 +27,12 @@ replicated) is checked across them: where the ranks disagree (a skipped all-redu
 (``"by_rank"``) and compared. In ``"record"`` mode each rank's peak memory and communication time per step are
 measured too (:mod:`.step_costs`).
 
+Each rank keeps its part of a step (:class:`~lightning_determinism.divergence.baseline_ranks.StepRow`: the shards'
+sums, the loss's exact sum, the replicas' values); the parts of all ranks complete it. ``"record"`` mode completes
+every step with one ``all_gather`` when it writes the file, so no collective runs during the recorded steps, and
+:attr:`~BaselineRecorder.records` holds complete steps once the file is written; ``"compare"`` mode completes and
+checks each step as it ends (one ``all_gather`` a step; none on one process).
+
 File format (JSON, ``"format": 2``; format 1 files still read): ``{"format", "world_size", "run": {versions,
 device, mesh, world size, batch shape, seed, strategy, launcher, precision, how memory and communication were
 measured}, "steps": [{"step", "loss", "grad_norm", "grad_norms": {name: x}, "param_norms": {name: x},
@@ -55,13 +61,7 @@ from lightning_determinism.divergence.baseline_file import (
     load_baseline,
     quantities,
 )
-from lightning_determinism.divergence.baseline_ranks import (
-    device_of,
-    gather_costs,
-    rank,
-    step_over_ranks,
-    whole_norms,
-)
+from lightning_determinism.divergence.baseline_ranks import StepRow, device_of, gather_rows, rank
 from lightning_determinism.divergence.run_metadata import (
     batch_shapes,
     device_description,
@@ -69,9 +69,9 @@ from lightning_determinism.divergence.run_metadata import (
     run_metadata,
 )
 from lightning_determinism.divergence.step_costs import DEFAULT_EVERY, StepCosts
-from lightning_determinism.divergence.tensor_digest import digests, is_dtensor
+from lightning_determinism.divergence.tensor_digest import float_word, is_dtensor, word_float
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.exact import TERM_LIMIT, exact_sum, fixed_point, limbs_of, limbs_to_fraction
+from lightning_determinism.exact import TERM_LIMIT, exact_sum, fixed_point, limbs_to_fraction
 from lightning_determinism.seeding.backends import determinism_report
 from lightning_determinism.seeding.seeds import _rank_and_world_size
 
@@ -144,6 +144,8 @@ class BaselineRecorder:
         self.run_info: dict[str, Any] = {}
         self._costs: StepCosts | None = None
         self.records: list[dict[str, Any]] = []
+        self._rows: list[StepRow] = []  # record mode: each step's words, until the file is written
+        self._row = StepRow()
         self._mismatched_steps: list[int] = []
         self._reference: list[dict[str, Any]] | None = None
         self._current: dict[str, Any] = {}
@@ -154,6 +156,7 @@ class BaselineRecorder:
     def start(self) -> None:
         """Forget earlier steps (a new run); in ``"compare"`` mode, read the baseline."""
         self.records = []
+        self._rows = []
         self._mismatched_steps = []
         self._current = {}
         self._reset_loss()
@@ -206,19 +209,18 @@ class BaselineRecorder:
         if self.mode == "record" and self._costs is None:
             self._costs = StepCosts(self.comm_every, device_of(module))
         if self._costs is not None:
-            self._costs.pause()  # the collectives below are the recorder's, not the step's
+            self._costs.pause()  # what follows is the recorder's work, not the step's
         named = list(module.named_parameters())
         if "device" not in self.run_info:
             self.run_info["device"] = device_description(device_of(module))
         if "mesh" not in self.run_info:
             sharded: Any = next((p for _, p in named if is_dtensor(p)), None)
             self.run_info["mesh"] = mesh_description(sharded.device_mesh if sharded is not None else None)
-        found = whole_norms([p.grad for _, p in named])  # whole gradients (a collective when any is a DTensor)
-        norms = {name: norm for (name, _), norm in zip(named, found, strict=True) if norm is not None}
+        self._row = StepRow()  # this rank's part of the step (no communication: the ranks' parts meet later)
         self._current = {
             "step": len(self.records),
-            "grad_norm": math.sqrt(sum(n * n for n in norms.values())),
-            "grad_norms": norms,
+            "grad_norm": None,  # from the whole gradients' norms, once complete
+            "grad_norms": self._row.norms("grad_norms", [(name, p.grad) for name, p in named]),
         }
 
     def _reset_loss(self) -> None:
@@ -261,28 +263,34 @@ class BaselineRecorder:
             self.add_loss(loss)
         if not self.recording or not self._current:
             return
-        record = dict(self._current)
+        record, row = dict(self._current), self._row
         named = list(module.named_parameters())
-        params = [p for _, p in named]
-        record["param_norms"] = dict(zip([n for n, _ in named], whole_norms(params), strict=True))
+        record["param_norms"] = row.norms("param_norms", named)
         if self.mode == "record":  # compare mode compares norms; digests only say "bitwise" between files
-            record["param_digests"] = dict(zip([n for n, _ in named], digests(params), strict=True))
-        limbs = limbs_of(self._loss_fixed)
-        record["loss"], by_rank = step_over_ranks(limbs, self._loss_count, self._loss_unusable, named, record)
+            record["param_digests"] = row.digests(named)
+        row.loss(self._loss_fixed, self._loss_count, self._loss_unusable)
         self._reset_loss()
-        if by_rank:
-            record["by_rank"] = by_rank
         self._current = {}
         self.records.append(record)
-        if self.mode == "compare":
+        if self.mode == "compare":  # each step checked as it ends: its ranks' parts now (one collective)
+            self._complete(record, row, [of_rank[0] for of_rank in gather_rows([row.words])])
             self._compare(record)
             return
+        self._rows.append(row)  # completed when the file is written: no collective during the steps
         if self._costs is not None:
             self._costs.end()
         if len(self.records) == self.steps:
             self._write()
         else:
             self.begin_step()
+
+    @staticmethod
+    def _complete(record: dict[str, Any], row: StepRow, rows: list[list[int]]) -> None:
+        """Fill in a step's values that need every rank (``rows``: each global rank's words of the step)."""
+        by_rank = row.complete(record, rows)
+        if by_rank:
+            record["by_rank"] = by_rank
+        record["grad_norm"] = math.sqrt(sum(n * n for n in record["grad_norms"].values()))
 
     def finish(self) -> None:
         """Write a record shorter than ``steps``; in ``"compare"`` mode, say how many steps matched (rank 0)."""
@@ -299,15 +307,20 @@ class BaselineRecorder:
             )
 
     def _write(self) -> None:
-        """Gather every rank's step costs (a collective: every rank calls it), then write the file on rank 0."""
-        costs = self._costs.steps if self._costs is not None else []
+        """Complete every step from every rank's parts and costs (one collective), then write the file on rank 0."""
+        costs: list[tuple[float, float | None]] = list(self._costs.steps) if self._costs is not None else []
         if self._costs is not None:
             self._costs.close()
-        per_rank = gather_costs(costs, len(self.records))
+        costs += [(math.nan, None)] * (len(self.records) - len(costs))
+        words = [row.words + [float_word(float(c[0])), float_word(math.nan if c[1] is None else c[1])]
+                 for row, c in zip(self._rows, costs, strict=False)]  # fmt: skip
+        per_rank = gather_rows(words)  # every step's parts of every rank, in one collective
+        for i, (record, row) in enumerate(zip(self.records, self._rows, strict=True)):
+            self._complete(record, row, [of_rank[i] for of_rank in per_rank])
         if rank() != 0:
             return
         for i, record in enumerate(self.records):
-            peaks, seconds = [of_rank[i][0] for of_rank in per_rank], [of_rank[i][1] for of_rank in per_rank]
+            peaks, seconds = ([word_float(of_rank[i][k]) for of_rank in per_rank] for k in (-2, -1))
             record["peak_memory_bytes"] = [int(v) if math.isfinite(v) else None for v in peaks]
             record["comm_seconds"] = [v if math.isfinite(v) else None for v in seconds]
         report = determinism_report()

@@ -84,7 +84,10 @@ def print_runs(table: dict[str, Any]) -> None:
     for kind in kinds:
         print(f"peak memory, {_MEMORY_KINDS.get(kind, kind)}")
     if any(row["comm_seconds_per_step"] is not None for row in rows):
-        print("comm/step: collectives' time under torch.profiler, the slowest rank's, mean over the profiled steps")
+        print(
+            "comm/step: collectives' time (the backends' spans, profiled), the slowest rank's, mean over the profiled"
+            " steps"
+        )
 
 
 def print_steps(result: dict[str, Any]) -> None:

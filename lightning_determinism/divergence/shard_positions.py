@@ -27,6 +27,23 @@ class Positions:
         self.global_strides = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
             self.global_strides[d] = self.global_strides[d + 1] * int(shape[d + 1])
+        self.start = self._run_start(shape)
+
+    def _run_start(self, shape: Sequence[int]) -> int | None:
+        """Where the shard starts if it is one run ``start, start + 1, ...`` of the whole tensor, else ``None``.
+
+        An FSDP2 chunk is one: whole rows, one after another.
+        """
+        if not self.along or any(a.numel() == 0 for a in self.along):
+            return None
+        first = self.along[0]
+        for d, positions in enumerate(self.along[1:], start=1):  # every later dimension held whole, in order
+            if positions.numel() != int(shape[d]) or not torch.equal(positions.cpu(), torch.arange(int(shape[d]))):
+                return None
+        lead = int(first[0])
+        if not torch.equal(first.cpu(), torch.arange(lead, lead + first.numel())):
+            return None
+        return lead * self.global_strides[0]
 
     def of(self, elements: torch.Tensor) -> torch.Tensor:
         """The global flat indices of the shard's elements ``elements`` (row-major local flat indices)."""
@@ -51,6 +68,23 @@ def splits(placement: Any) -> bool:
     return bool(placement.is_shard() or is_strided_shard(placement))
 
 
+_MESHES: dict[int, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}  # by id: the mesh itself, its shape, ranks
+
+
+def mesh_layout(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A device mesh's shape and its global ranks in the mesh's order, read once per mesh.
+
+    ``DeviceMesh.mesh`` rebuilds its rank tensor from the layout on every read (150 µs in torch 2.13).
+    """
+    found = _MESHES.get(id(mesh))
+    if found is None or found[0] is not mesh:  # kept beside its id: an id is not reused while the mesh lives
+        if len(_MESHES) >= 256:
+            _MESHES.clear()
+        ranks = mesh.mesh
+        found = _MESHES[id(mesh)] = (mesh, tuple(ranks.shape), tuple(ranks.flatten().tolist()))
+    return found[1], found[2]
+
+
 _POSITIONS: dict[Any, Positions] = {}  # by (mesh, placements, shape): a model's layouts repeat every step
 _POSITIONS_KEPT = 4096
 
@@ -61,8 +95,8 @@ def global_index(tensor: Any) -> Positions:
     Cached by mesh, placements and shape (the shard's place depends on nothing else).
     """
     mesh = tensor.device_mesh
-    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(mesh.get_coordinate() or ()),
-           tuple(tensor.placements), tuple(tensor.shape), str(tensor.device))  # fmt: skip
+    key = (*mesh_layout(mesh), tuple(mesh.get_coordinate() or ()), tuple(tensor.placements), tuple(tensor.shape),
+           str(tensor.device))  # fmt: skip
     found = _POSITIONS.get(key)
     if found is None:
         if len(_POSITIONS) >= _POSITIONS_KEPT:
@@ -109,4 +143,4 @@ def without_partial(tensor: Any) -> Any:
     return tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
 
 
-__all__ = ["Positions", "global_index", "is_dtensor", "owns", "splits", "without_partial"]
+__all__ = ["Positions", "global_index", "is_dtensor", "mesh_layout", "owns", "splits", "without_partial"]

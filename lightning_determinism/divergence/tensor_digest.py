@@ -24,6 +24,7 @@ probability about 2**-128 per pair of tensors (2**-64 per lane). Not a cryptogra
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from lightning_determinism.divergence.shard_positions import (
     Positions,
     global_index,
     is_dtensor,
+    mesh_layout,
     owns,
     splits,
     without_partial,
@@ -47,10 +49,20 @@ CHUNK = 1 << 17  # elements per pass: 64-bit temporaries of 1 MiB each (near the
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _signed(value: int) -> int:
+def signed_word(value: int) -> int:
     """A 64-bit word as the int64 torch stores."""
     value &= _MASK
     return value - (1 << 64) if value >> 63 else value
+
+
+def float_word(value: float) -> int:
+    """A float64's bits as a signed 64-bit word (to travel in an int64 tensor untouched)."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def word_float(word: int) -> float:
+    """The float64 whose bits are ``word`` (the inverse of :func:`float_word`)."""
+    return float(struct.unpack("<d", struct.pack("<q", word))[0])
 
 
 def _mix_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -60,7 +72,7 @@ def _mix_(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
         scratch.bitwise_and_((1 << (64 - shift)) - 1)
         z.bitwise_xor_(scratch)
         if multiplier is not None:
-            z.mul_(_signed(multiplier))
+            z.mul_(signed_word(multiplier))
     return z
 
 
@@ -91,8 +103,9 @@ def partial_sums(local: torch.Tensor, positions: Positions | None = None) -> tup
     if it is not contiguous) and a few 64-bit words per element of one chunk of :data:`CHUNK` elements.
     """
     words, per = _words(local)
-    if positions is None:
-        found = whole_lanes(words)  # the C kernel: the same lanes in one pass (CPU)
+    start = 0 if positions is None else positions.start
+    if start is not None:  # whole, or one run of the whole tensor's elements: the C kernel (CPU)
+        found = whole_lanes(words, start * per)
         if found is not None:
             return found
     sums = [0, 0]
@@ -105,7 +118,7 @@ def partial_sums(local: torch.Tensor, positions: Positions | None = None) -> tup
             index = positions.of(element // per) * per + element % per
         z, scratch = torch.empty_like(chunk), torch.empty_like(chunk)
         for lane, salt in enumerate(SALTS):
-            torch.mul(index, _signed(salt), out=z)  # the position's key (a bijection of the position)
+            torch.mul(index, signed_word(salt), out=z)  # the position's key (a bijection of the position)
             z.bitwise_xor_(chunk)
             sums[lane] = (sums[lane] + int(_mix_(z, scratch).sum())) & _MASK  # int64 sums wrap: exact mod 2**64
     return sums[0], sums[1]
@@ -133,7 +146,7 @@ def _small_whole_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]
         owner = torch.repeat_interleave(torch.arange(len(tensors), device=device), counts)
         starts = torch.cumsum(counts, 0) - counts
         index = torch.arange(int(counts.sum()), dtype=torch.int64, device=device) - starts[owner]
-        salts = torch.tensor([_signed(salt) for salt in SALTS], dtype=torch.int64, device=device)
+        salts = torch.tensor([signed_word(salt) for salt in SALTS], dtype=torch.int64, device=device)
         keys = index[None, :] * salts[:, None]  # both lanes' position keys, [2, n]: the same every step
         if len(_BATCHES) >= 64:
             _BATCHES.clear()
@@ -196,6 +209,11 @@ def _local_parts(tensors: Sequence[torch.Tensor], local: Any) -> list[Any]:
     return parts
 
 
+def mesh_ranks(tensor: Any) -> list[int]:
+    """The global ranks of a ``DTensor``'s device mesh, in the mesh's order (the ranks whose parts make it whole)."""
+    return list(mesh_layout(getattr(tensor, "device_mesh"))[1])  # noqa: B009  (a DTensor's; torch.Tensor has none)
+
+
 def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]) -> list[list[list[int]]]:
     """All-gather each tensor's row of int64 words (one collective for all); per tensor, its mesh's ranks' rows.
 
@@ -212,9 +230,21 @@ def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]
     dist.all_gather(gathered, mine)
     gathered = [g.cpu() for g in gathered]
     for row, i in enumerate(sharded):
-        mesh: Any = getattr(tensors[i], "device_mesh")  # noqa: B009  (a DTensor's; torch.Tensor has none)
-        out[i] = [gathered[r][row].tolist() for r in mesh.mesh.flatten().tolist()]
+        out[i] = [gathered[r][row].tolist() for r in mesh_ranks(tensors[i])]
     return out
+
+
+def local_square_sums(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Each tensor's sum of squares on this rank, in float64 (no communication).
+
+    A plain tensor's whole; a ``DTensor``'s shard on its owners and ``0.0`` on its other replicas, so that the sum
+    over its mesh's ranks is the whole tensor's.
+    """
+
+    def squares(t: torch.Tensor) -> float:
+        return float(t.detach().double().square().sum())
+
+    return [p if p is not None else 0.0 for p in _local_parts(tensors, squares)]
 
 
 def full_norms(tensors: Sequence[torch.Tensor | None]) -> list[float | None]:
@@ -228,31 +258,17 @@ def full_norms(tensors: Sequence[torch.Tensor | None]) -> list[float | None]:
         [5.0, None]
     """
     present = [t for t in tensors if t is not None]
-
-    def squares(t: torch.Tensor) -> float:
-        return float(t.detach().double().square().sum())
-
-    parts = [p if p is not None else 0.0 for p in _local_parts(present, squares)]
-    rows = [[int(torch.tensor(p, dtype=torch.float64).view(torch.int64))] for p in parts]
+    rows = [[float_word(p)] for p in local_square_sums(present)]
     combined = _combined_over_meshes(present, rows)
-    values = iter(
-        math.sqrt(math.fsum(float(torch.tensor(r[0], dtype=torch.int64).view(torch.float64)) for r in rows_of))
-        for rows_of in combined
-    )
+    values = iter(math.sqrt(math.fsum(word_float(r[0]) for r in rows_of)) for rows_of in combined)
     return [next(values) if t is not None else None for t in tensors]
 
 
-def digests(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """The digest of each tensor (32 hex digits); with ``DTensor``s among them a collective: call it on every rank.
+def local_digest_lanes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each tensor's lanes on this rank (no communication).
 
-    Sharded tensors are combined over the ranks of their device mesh, in one ``all_gather`` for all of them.
-
-    Examples:
-        >>> x = torch.arange(6.0).reshape(2, 3)
-        >>> digests([x])[0] == digests([x.clone()])[0], digests([x])[0] == digests([x.T.contiguous().T])[0]
-        (True, True)
-        >>> digests([x])[0] == digests([x.reshape(3, 2)])[0]  # the flat order only: add dtype and shape beside it
-        True
+    A plain tensor's whole; a ``DTensor``'s shard's partial sums on its owners and ``(0, 0)`` on its other replicas
+    (:func:`combine` over its mesh's ranks: the whole tensor's).
     """
     lanes: list[tuple[int, int] | None] = [None] * len(tensors)
     small: dict[Any, list[int]] = {}  # plain tensors of at most a chunk, by device: one pass for each device
@@ -268,7 +284,22 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[str]:
     for members in small.values():
         for i, lane in zip(members, _small_whole_lanes([tensors[i] for i in members]), strict=True):
             lanes[i] = lane
-    rows = [[_signed(lane[0]), _signed(lane[1])] for lane in lanes if lane is not None]
+    return lanes  # type: ignore[return-value]  # every one filled
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The digest of each tensor (32 hex digits); with ``DTensor``s among them a collective: call it on every rank.
+
+    Sharded tensors are combined over the ranks of their device mesh, in one ``all_gather`` for all of them.
+
+    Examples:
+        >>> x = torch.arange(6.0).reshape(2, 3)
+        >>> digests([x])[0] == digests([x.clone()])[0], digests([x])[0] == digests([x.T.contiguous().T])[0]
+        (True, True)
+        >>> digests([x])[0] == digests([x.reshape(3, 2)])[0]  # the flat order only: add dtype and shape beside it
+        True
+    """
+    rows = [[signed_word(lane[0]), signed_word(lane[1])] for lane in local_digest_lanes(tensors)]
     combined = _combined_over_meshes(tensors, rows)
     return [hex_digest(combine([(r[0], r[1]) for r in rows_of])) for rows_of in combined]
 
@@ -297,12 +328,18 @@ __all__ = [
     "combine",
     "digest_of",
     "digests",
+    "float_word",
     "full_norms",
     "hex_digest",
     "is_dtensor",
+    "local_digest_lanes",
     "local_lanes",
+    "local_square_sums",
+    "mesh_ranks",
     "owns",
     "partial_sums",
     "shard_lanes",
+    "signed_word",
     "reference_digest",
+    "word_float",
 ]

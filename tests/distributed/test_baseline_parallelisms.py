@@ -209,3 +209,112 @@ def test_the_recorder_in_a_loop_records_the_whole_tensors_of_an_fsdp2_model(tmp_
     assert fsdp2["run"]["mesh"] == {"shape": [2], "dim_names": ["data_parallel"]}
     assert fsdp2["run"]["strategy"] == "fully_shard by hand"
     assert all(v > 0 for step in fsdp2["steps"] for v in step["comm_seconds"])
+
+
+class _CountedCollectives:
+    """Counts the ``torch.distributed`` collectives called while it is active (those the recorder may use)."""
+
+    NAMES = ("all_gather", "all_reduce", "broadcast", "all_gather_object", "gather")
+
+    def __init__(self, monkeypatch_like):
+        self.calls, self.active, self._set = [], False, monkeypatch_like
+        for name in self.NAMES:
+            original = getattr(torch.distributed, name)
+            self._set(name, self._counted(name, original))
+
+    def _counted(self, name, original):
+        def counted(*args, **kwargs):
+            if self.active:
+                self.calls.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def _counted_fsdp2_loop(rank, world_size, path, mode, x, y):
+    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",)))
+    counter = _CountedCollectives(lambda name, fn: setattr(torch.distributed, name, fn))
+    recorder = BaselineRecorder(path, steps=3, mode=mode, comm_every=0)
+    per_step, optimizer = [], torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        nn.functional.mse_loss(model(x[rank::world_size]), y[rank::world_size]).backward()
+        counter.active = True  # only the recorder's calls: FSDP2's own collectives run outside these windows
+        recorder.before_optimizer_step(model)
+        counter.active = False
+        optimizer.step()
+        optimizer.zero_grad()
+        counter.active = True
+        recorder.after_optimizer_step(model, torch.tensor(1.0))
+        counter.active = False
+        per_step.append(len(counter.calls))
+    counter.active = True
+    recorder.finish()
+    counter.active = False
+    (Path(path).parent / f"calls-{mode}-{rank}.json").write_text(json.dumps([per_step, counter.calls]))
+
+
+def test_record_mode_communicates_once_at_the_end_compare_mode_once_a_step(tmp_path):
+    # Record mode keeps each step's parts (norm and digest sums of the shards, the loss, the replicas' values) and
+    # completes every step with one all_gather when it writes the file (after its last step; finish() then has
+    # nothing left to do); compare mode needs each step at once.
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    path = tmp_path / "fsdp2.json"
+    run_distributed(_counted_fsdp2_loop, tmp_path, str(path), "record", x, y)
+    run_distributed(_counted_fsdp2_loop, tmp_path, str(path), "compare", x, y)  # against that record: it matches
+    for rank in (0, 1):
+        per_step, calls = json.loads((tmp_path / f"calls-record-{rank}.json").read_text())
+        assert per_step == [0, 0, 1] and calls == ["all_gather"], (rank, per_step, calls)  # the last step writes
+        per_step, calls = json.loads((tmp_path / f"calls-compare-{rank}.json").read_text())
+        assert per_step == [1, 2, 3] and calls == ["all_gather"] * 3, (rank, per_step, calls)
+    data = load_baseline(path)
+    assert len(data["steps"]) == 3 and all(len(s["param_digests"]) == 4 for s in data["steps"])
+    assert all(v is not None for s in data["steps"] for group in ("grad_norms", "param_norms")
+               for v in s[group].values())  # fmt: skip
+
+
+def _profiled_window(rank, world_size, out):
+    import time
+
+    from torch.profiler import profile
+
+    from lightning_determinism._compat.access import start_scope_profiler, stop_scope_profiler
+    from lightning_determinism.divergence.step_costs import StepCosts
+
+    big, a = torch.ones(1 << 20), torch.randn(256, 256)
+    costs = StepCosts(every=1)
+    begin = time.perf_counter()
+    costs.begin(1)
+    for _ in range(3):
+        a = a @ a / 256
+        torch.distributed.all_reduce(big)
+    costs.pause()
+    wall = time.perf_counter() - begin
+    costs.end()
+    start_scope_profiler()  # what the step's profiler records: the backend's spans, not the operators
+    torch.mm(a, a)
+    torch.distributed.all_reduce(big)
+    names = [name for name, _, _ in stop_scope_profiler()]
+    with profile() as user:  # a profiler of the user's own: left running, the nested step unmeasured
+        nested = StepCosts(every=1)
+        nested.begin(1)
+        torch.distributed.all_reduce(big)
+        nested.pause()
+        nested.end()
+        torch.mm(a, a)
+    result = {"seconds": costs.steps[0][1], "wall": wall, "names": names, "nested": nested.steps[0][1],
+              "user_saw_mm_after": any(e.name == "aten::mm" for e in user.events())}  # fmt: skip
+    Path(out, f"window-{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_profiled_step_sums_the_backends_spans_without_recording_operators(tmp_path):
+    run_distributed(_profiled_window, tmp_path, str(tmp_path))
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"window-{rank}.json").read_text())
+        assert 0 < found["seconds"] <= found["wall"], found  # three blocking all_reduces inside the window
+        assert "gloo:all_reduce" in found["names"] and not any(n.startswith("aten::") for n in found["names"])
+        assert found["nested"] is None and found["user_saw_mm_after"], found
