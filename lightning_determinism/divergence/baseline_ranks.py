@@ -3,9 +3,10 @@
 A step's record needs every rank: its loss is the mean over all ranks' micro-batches, a sharded parameter's norm and
 digest are sums over its shards, and a parameter held whole on several ranks (DDP's replicas, what tensor parallel
 leaves replicated) is checked across them. Each rank puts its part of a step into one :class:`StepRow` (no
-communication; a plain tensor's norm and digest are final at once), and the rows of all ranks complete the record
+communication but the reduction of a ``DTensor`` left ``Partial``; a plain tensor's norm and digest are final at
+once), and the rows of all ranks complete the record
 (:meth:`StepRow.complete`). The recorder gathers them with :func:`gather_rows`: in record mode the rows of all its
-steps once, when it writes the file (no collective during the steps), in compare mode each step's (one a step).
+steps once, when it writes the file (none during the steps), in compare mode each step's (one a step).
 """
 
 from __future__ import annotations

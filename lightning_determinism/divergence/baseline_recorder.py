@@ -29,8 +29,9 @@ measured too (:mod:`.step_costs`).
 
 Each rank keeps its part of a step (:class:`~lightning_determinism.divergence.baseline_ranks.StepRow`: the shards'
 sums, the loss's exact sum, the replicas' values); the parts of all ranks complete it. ``"record"`` mode completes
-every step with one ``all_gather`` when it writes the file, so no collective runs during the recorded steps, and
-:attr:`~BaselineRecorder.records` holds complete steps once the file is written; ``"compare"`` mode completes and
+every step with one ``all_gather`` when it writes the file, so none of its collectives runs during the recorded
+steps (but the reduction of a ``DTensor`` left ``Partial``, its pending sum), and :attr:`~BaselineRecorder.records`
+holds complete steps once the file is written; ``"compare"`` mode completes and
 checks each step as it ends (one ``all_gather`` a step; none on one process).
 
 File format (JSON, ``"format": 2``; format 1 files still read): ``{"format", "world_size", "run": {versions,
