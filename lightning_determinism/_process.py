@@ -19,6 +19,11 @@ def _rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
+def distributed() -> bool:
+    """Whether a process group of more than one rank is running (there is someone to communicate with)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def die_with_parent(parent_pid: int) -> bool:
     """Have the kernel kill this process when its parent dies; exit now if the parent is already gone.
 

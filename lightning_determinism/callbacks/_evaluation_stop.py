@@ -26,16 +26,16 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 
 from lightning_determinism._compat.access import default_store, dump_checkpoint
+from lightning_determinism._process import distributed
 
 _WAIT_FOR_RANK_ZERO = timedelta(minutes=10)
 _VAL_PROGRESS = "epoch_loop.val_loop.batch_progress"
 
 
 def _store() -> Any:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         return default_store()
     return None
 

@@ -34,6 +34,7 @@ from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from typing_extensions import override
 
+from lightning_determinism._process import distributed
 from lightning_determinism.checkpoints.atomic import write_atomically
 from lightning_determinism.checkpoints.file import (
     DamagedCheckpointError,
@@ -67,7 +68,7 @@ def local_path(path: Any) -> str | None:
 
 def _ranked(message: str) -> str:
     """The message with this process's rank in front when several ranks run (each one loads the checkpoint)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         return rank_prefixed_message(message, dist.get_rank())
     return message
 

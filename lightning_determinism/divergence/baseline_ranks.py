@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_determinism._compat.access import foreach_norms
+from lightning_determinism._process import distributed
 from lightning_determinism.divergence.tensor_digest import (
     combine,
     float_word,
@@ -34,11 +35,6 @@ from lightning_determinism.exact import TOTAL_LIMIT
 from lightning_determinism.seeding.seeds import _rank_and_world_size
 
 _WORD = 1 << 32
-
-
-def distributed() -> bool:
-    """Whether a process group of more than one rank is running."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
@@ -171,4 +167,4 @@ def gather_rows(rows: list[list[int]]) -> list[list[list[int]]]:
     return [g.cpu().tolist() for g in gathered]
 
 
-__all__ = ["StepRow", "device_of", "distributed", "gather_rows", "plain_norms", "rank"]
+__all__ = ["StepRow", "device_of", "gather_rows", "plain_norms", "rank"]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_determinism._compat.access import profiler_running, start_scope_profiler, stop_scope_profiler
+from lightning_determinism._process import distributed
 
 BACKEND_PREFIXES = ("gloo:", "nccl:")
 """The spans a process-group backend records for the work it executes (``gloo:all_reduce``, ...)."""
@@ -121,7 +122,7 @@ class StepCosts:
             torch.cuda.reset_peak_memory_stats(self.device)
         if not self.profiles(step):
             return
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not distributed():
             self._seconds = 0.0  # no other rank: nothing to communicate (a world of one copies in place)
         elif not profiler_running():  # the user's own (nested, it would stop theirs): this step goes unmeasured
             operators = str(dist.get_backend()) not in ("gloo", "nccl")  # spans of their own: user scopes suffice

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_determinism._process import distributed
 from lightning_determinism.divergence._digest_native import whole_lanes
 from lightning_determinism.divergence.shard_positions import (
     Positions,
@@ -221,7 +222,7 @@ def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]
     """
     sharded = [i for i, t in enumerate(tensors) if is_dtensor(t)]
     out = [[row] for row in rows]
-    if not sharded or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not sharded or not distributed():
         return out
     mine = torch.tensor([rows[i] for i in sharded], dtype=torch.int64)
     if "nccl" in str(dist.get_backend()):

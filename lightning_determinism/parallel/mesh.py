@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_determinism._process import distributed
 from lightning_determinism.parallel import dtensor_random
 from lightning_determinism.parallel.topology import Topology
 
@@ -94,7 +95,7 @@ def follow_mesh(steps: Any, mesh: Any, rank: int, world_size: int) -> None:
 def equalize_threads() -> int:
     """Give every rank the smallest intra-op thread count of any rank (collective); returns it."""
     threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         dist.all_reduce(threads, op=dist.ReduceOp.MIN)
     count = int(threads.item())
     if torch.get_num_threads() != count:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_determinism._process import distributed
+
 CHECKPOINT_KEY = "lightning_determinism_rng"
 """The Lightning checkpoint key under which :class:`~lightning_determinism.RNGStateCheckpoint` writes its entry."""
 
@@ -41,7 +43,7 @@ def pattern(digests: list[str]) -> list[list[int]]:
 
 def all_gather(obj: Any) -> list[Any]:
     """``obj`` from every rank of the default process group (``[obj]`` without one)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
