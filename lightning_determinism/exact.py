@@ -141,7 +141,32 @@ def limbs_of(total: int) -> Tensor:
         >>> limbs_of(-1)  # -2**-64: units -1, fractions 2**32 - 1 each
         tensor([        -1, 4294967295, 4294967295])
     """
-    return torch.tensor([total >> 64, (total >> 32) & (_WORD - 1), total & (_WORD - 1)], dtype=torch.int64)
+    return torch.tensor(int_limbs(total), dtype=torch.int64)
+
+
+def int_limbs(total: int) -> list[int]:
+    """:func:`limbs_of` as Python integers ``[units, high, low]`` (to travel in a row of int64 words).
+
+    Examples:
+        >>> int_limbs(3 << 63), fixed_total(*int_limbs(3 << 63)) == 3 << 63
+        ([1, 2147483648, 0], True)
+    """
+    return [total >> 64, (total >> 32) & (_WORD - 1), total & (_WORD - 1)]
+
+
+def fixed_total(units: int, high: int, low: int) -> int:
+    """The value of (possibly unnormalized) limbs in units of ``2**-64``: the inverse of :func:`int_limbs`."""
+    return units * _WORD * _WORD + high * _WORD + low
+
+
+def fixed_mean(total: int, count: int) -> float:
+    """``total * 2**-64 / count`` correctly rounded to float64 (NaN for ``count == 0``).
+
+    Examples:
+        >>> fixed_mean(fixed_point(1.0) + fixed_point(2.0), 2)
+        1.5
+    """
+    return float("nan") if count == 0 else total / (count * _WORD * _WORD)  # int / int: correctly rounded
 
 
 def check_total(limbs: Tensor, what: str = "the exact sum") -> None:
@@ -171,8 +196,7 @@ def limbs_to_fraction(limbs: Tensor) -> Fraction:
         >>> limbs_to_fraction(torch.tensor([1, 2**31, 0]))
         Fraction(3, 2)
     """
-    units, high, low = (int(v) for v in limbs.tolist())
-    return Fraction(units * _WORD * _WORD + high * _WORD + low, _WORD * _WORD)
+    return Fraction(fixed_total(*(int(v) for v in limbs.tolist())), _WORD * _WORD)
 
 
 def limbs_to_float(limbs: Tensor) -> float:
@@ -195,10 +219,7 @@ def exact_mean(limbs: Tensor, count: int | Tensor) -> float:
         >>> exact_mean(exact_sum(torch.tensor([1.0, 2.0, 4.0])), 3)
         2.3333333333333335
     """
-    n = int(count)
-    if n == 0:
-        return float("nan")
-    return float(limbs_to_fraction(limbs) / n)
+    return fixed_mean(fixed_total(*(int(v) for v in limbs.tolist())), int(count))
 
 
 __all__ = [
@@ -207,7 +228,10 @@ __all__ = [
     "check_total",
     "exact_mean",
     "exact_sum",
+    "fixed_mean",
     "fixed_point",
+    "fixed_total",
+    "int_limbs",
     "limbs_of",
     "limbs_to_float",
     "limbs_to_fraction",

@@ -16,13 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_determinism._compat.access import foreach_norms
-from lightning_determinism._process import distributed
 from lightning_determinism.divergence.tensor_digest import (
     combine,
     float_word,
+    gather_words,
     hex_digest,
     is_dtensor,
     local_digest_lanes,
@@ -31,10 +30,8 @@ from lightning_determinism.divergence.tensor_digest import (
     signed_word,
     word_float,
 )
-from lightning_determinism.exact import TOTAL_LIMIT
+from lightning_determinism.exact import TOTAL_LIMIT, fixed_mean, fixed_total, int_limbs
 from lightning_determinism.seeding.seeds import _rank_and_world_size
-
-_WORD = 1 << 32
 
 
 def rank() -> int:
@@ -116,11 +113,11 @@ class StepRow:
 
     def loss(self, total: int, count: int, unusable: int) -> None:
         """The step's loss terms on this rank: their exact sum in units of ``2**-64``, how many, how many unusable."""
-        units = total >> 64
-        if not -TOTAL_LIMIT < units < TOTAL_LIMIT:  # past int64's headroom over the ranks: not exact any more
-            units, unusable = 0, unusable + 1
+        limbs = int_limbs(total)
+        if not -TOTAL_LIMIT < limbs[0] < TOTAL_LIMIT:  # past int64's headroom over the ranks: not exact any more
+            limbs, unusable = [0, 0, 0], unusable + 1
         self._loss = len(self.words)
-        self.words += [units, (total >> 32) & (_WORD - 1), total & (_WORD - 1), count, unusable]
+        self.words += [*limbs, count, unusable]
 
     def complete(self, record: dict[str, Any], rows: list[list[int]]) -> dict[str, list[float | None]]:
         """Fill in ``record``'s loss and ``DTensor`` values from every rank's words; return the replicas' disagreements.
@@ -132,8 +129,7 @@ class StepRow:
         """
         if self._loss is not None:
             units, high, low, count, unusable = (sum(row[self._loss + k] for row in rows) for k in range(5))
-            total = (units << 64) + (high << 32) + low
-            record["loss"] = math.nan if unusable or not count else total / (count << 64)  # correctly rounded
+            record["loss"] = math.nan if unusable else fixed_mean(fixed_total(units, high, low), count)
         for group, name, word, ranks in self._shared:
             if group == "param_digests":
                 lanes = [(rows[r][word], rows[r][word + 1]) for r in ranks]
@@ -157,14 +153,7 @@ def gather_rows(rows: list[list[int]]) -> list[list[list[int]]]:
     widths = {len(row) for row in rows}
     if len(widths) > 1:
         raise RuntimeError(f"a baseline's steps must have one layout of words, got widths {sorted(widths)}")
-    if not distributed():
-        return [rows]
-    mine = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), widths.pop() if widths else 0)
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    return [g.cpu().tolist() for g in gathered]
+    return gather_words(rows, widths.pop() if widths else 0)
 
 
 __all__ = ["StepRow", "device_of", "gather_rows", "plain_norms", "rank"]

@@ -215,6 +215,21 @@ def mesh_ranks(tensor: Any) -> list[int]:
     return list(mesh_layout(getattr(tensor, "device_mesh"))[1])  # noqa: B009  (a DTensor's; torch.Tensor has none)
 
 
+def gather_words(rows: list[list[int]], width: int) -> list[list[list[int]]]:
+    """Every rank's ``rows`` of ``width`` int64 words each (the same count on every rank), by global rank.
+
+    One ``all_gather`` (on the GPU under NCCL); ``[rows]`` without a process group of more than one rank.
+    """
+    if not distributed():
+        return [rows]
+    mine = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
+    if "nccl" in str(dist.get_backend()):
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [g.cpu().tolist() for g in gathered]
+
+
 def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]) -> list[list[list[int]]]:
     """All-gather each tensor's row of int64 words (one collective for all); per tensor, its mesh's ranks' rows.
 
@@ -224,14 +239,9 @@ def _combined_over_meshes(tensors: Sequence[torch.Tensor], rows: list[list[int]]
     out = [[row] for row in rows]
     if not sharded or not distributed():
         return out
-    mine = torch.tensor([rows[i] for i in sharded], dtype=torch.int64)
-    if "nccl" in str(dist.get_backend()):
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    gathered = [g.cpu() for g in gathered]
+    gathered = gather_words([rows[i] for i in sharded], len(rows[sharded[0]]))
     for row, i in enumerate(sharded):
-        out[i] = [gathered[r][row].tolist() for r in mesh_ranks(tensors[i])]
+        out[i] = [gathered[r][row] for r in mesh_ranks(tensors[i])]
     return out
 
 
@@ -331,6 +341,7 @@ __all__ = [
     "digests",
     "float_word",
     "full_norms",
+    "gather_words",
     "hex_digest",
     "is_dtensor",
     "local_digest_lanes",
