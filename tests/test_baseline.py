@@ -1,7 +1,9 @@
 """NumericalBaseline record/compare in one process, and the lightning-determinism command."""
 
+import copy
 import json
 import math
+import pickle
 import re
 
 import lightning as L
@@ -352,3 +354,36 @@ def test_cli_compare_three_files_one_row_each_and_json(recorded, tmp_path, capsy
     table = json.loads(capsys.readouterr().out)
     assert [r["verdict"] for r in table["runs"]] == ["reference", "within tolerance", "within tolerance"]
     assert table["rtol"] == 1.0 and table["diverged"] == 0 and table["runs"][1]["bitwise"] is True
+
+
+class Snapshot(L.Callback):
+    """Deep-copies and pickles ``baseline`` in the middle of its record (steps pending, costs measured)."""
+
+    def __init__(self, baseline, step: int) -> None:
+        self.baseline, self.step, self.copies = baseline, step, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.copies = [copy.deepcopy(self.baseline), pickle.loads(pickle.dumps(self.baseline))]
+
+
+def test_a_pickled_or_copied_callback_records_the_same_steps(recorded, tmp_path):
+    # A spawn launcher pickles the callbacks; a user may deep-copy a configured callback for several runs. A clone
+    # taken before the run, or in the middle of a record (steps pending, costs measured), writes what the original
+    # did once it runs a fit of its own.
+    strip = ("peak_memory_bytes", "comm_seconds")
+
+    def numbers(path):
+        return [{k: v for k, v in s.items() if k not in strip} for s in json.loads(path.read_text())["steps"]]
+
+    pickled = pickle.loads(pickle.dumps(NumericalBaseline(tmp_path / "pickled.json", steps=5)))
+    run([pickled])
+    middle = NumericalBaseline(tmp_path / "middle.json", steps=5)
+    snapshot = Snapshot(middle, step=2)
+    run([middle, snapshot])
+    assert len(snapshot.copies) == 2 and all(len(c.records) == 2 for c in snapshot.copies)
+    for i, clone in enumerate(snapshot.copies):
+        clone.path = tmp_path / f"clone{i}.json"
+        run([clone])  # a new fit: setup starts the record again
+    for name in ("pickled.json", "middle.json", "clone0.json", "clone1.json"):
+        assert numbers(tmp_path / name) == numbers(recorded), name
