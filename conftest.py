@@ -59,8 +59,8 @@ def _restore_global_state():
 
 
 def pytest_collection_finish(session):
-    """Start the warm interpreter (tests/warm.py) while the first tests run, when a multi-process test will use it."""
+    """Start the warm interpreter (tests/helpers/warm.py) while the first tests run, if a multi-process test uses it."""
     if any(item.get_closest_marker("distributed") is not None for item in session.items):
-        from tests import warm
+        from tests.helpers import warm
 
         warm.prestart()

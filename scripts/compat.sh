@@ -20,8 +20,8 @@ cd "$(dirname "$0")/.."
 
 # Seeding, the RNG streams, the command line, the private-name checks, the strategies and their 2-rank fits (fork and
 # spawn): about half a minute of tests on 2 cores, after 1.5 minutes of installing.
-fast_tests="${LDET_COMPAT_FAST_TESTS:-tests/test_seeding.py tests/test_rng.py tests/test_cli.py tests/test_compat.py
-    tests/test_strategies.py tests/distributed/test_strategy_fit.py}"
+fast_tests="${LDET_COMPAT_FAST_TESTS:-tests/seeding/test_seeding.py tests/seeding/test_rng.py tests/divergence/test_cli.py tests/_compat/test_compat.py
+    tests/strategies/test_strategies.py tests/strategies/test_strategy_fit.py}"
 
 root="${LDET_COMPAT_DIR:-$(mktemp -d)}"
 mkdir -p "$root"

@@ -43,7 +43,7 @@ try:  # the names themselves; a missing one is reported by check_compat() at the
     from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter  # noqa: F401
     from torchmetrics.utilities.plot import _AX_TYPE as AX_TYPE
     from torchmetrics.utilities.plot import _PLOT_OUT_TYPE as PLOT_OUT_TYPE
-except ImportError as error:  # pragma: no cover  (exercised by faking a missing name in tests/test_compat.py)
+except ImportError as error:  # pragma: no cover  (exercised by faking a missing name in tests/_compat/test_compat.py)
     _import_error = error
 
 LIGHTNING_FLOOR = "2.5.0"

@@ -5,8 +5,8 @@
 dominated the invariant mode's per-micro-batch reseed. The hash itself is a few dozen 32-bit multiply/xor-shift
 steps over the entropy words, absorbed one at a time, so the state after a prefix of the words can be kept: the
 micro-batch seeds ``(base, "micro-batch", step, j)`` of one step then share everything but the last key. Every value
-equals numpy's (``tests/test_seeding.py`` pins a table and compares against numpy over random keys); the caching of
-prefixes lives with :func:`~lightning_determinism.derive_seed`.
+equals numpy's (``tests/seeding/test_seeding.py`` pins a table and compares against numpy over random keys); the
+caching of prefixes lives with :func:`~lightning_determinism.derive_seed`.
 
 The constants and the order of operations are those of numpy's ``bit_generator.pyx`` (pool size 4).
 """

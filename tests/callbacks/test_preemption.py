@@ -1,0 +1,98 @@
+"""PreemptionCheckpoint in one process: the signal, the step boundary, the checkpoint, the exit, SLURM's requeue."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from lightning_determinism import DeterministicSingleDeviceStrategy, PreemptionCheckpoint
+from tests.helpers.lightning_models import RecordingModule, quiet_trainer
+
+
+class _SignalAt(RecordingModule):
+    """Sends itself ``signum`` during the training step of batch ``at``."""
+
+    def __init__(self, out_dir, signum, at):
+        super().__init__(out_dir, n=24, record_draws=False)
+        self.signum, self.at = signum, at
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.at:
+            os.kill(os.getpid(), self.signum)  # delivered at once: the handler only sets a flag
+        return super().training_step(batch, batch_idx)
+
+
+def _fit(tmp_path, module, **kwargs):
+    callback = PreemptionCheckpoint(tmp_path)
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=2, callbacks=[callback], **kwargs)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(module)
+        # Until the process has exited a repeated signal is ignored: it must not kill the clean exit.
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    return callback, trainer, stop.value.code
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
+    callback, trainer, code = _fit(tmp_path, _SignalAt(str(tmp_path), signal.SIGTERM, at=2))
+    assert code == 0 and callback.preempted and callback.path == tmp_path / "preempted.ckpt"
+    saved = torch.load(callback.path, weights_only=True)
+    assert saved["global_step"] == 3  # the step of batch 2 completed, nothing after it
+    assert trainer.global_step == 3
+
+
+def test_with_accumulation_it_waits_for_the_optimizer_step(tmp_path):
+    callback, _, _ = _fit(tmp_path, _SignalAt(str(tmp_path), signal.SIGTERM, at=2), accumulate_grad_batches=2)
+    saved = torch.load(callback.path, weights_only=True)
+    assert saved["global_step"] == 2  # micro-batches 2 and 3 make step 2: the signal in 2 stops after 3
+    assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 4
+
+
+def test_under_slurm_sigusr1_runs_lightnings_requeue_at_the_step_boundary(tmp_path, monkeypatch):
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "SLURM_NODELIST": "n1",
+                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    calls = []
+
+    def requeue(self, signum, frame):  # stands in for hpc_save + scontrol requeue
+        calls.append((signum, self.trainer.global_step))
+        self.trainer.save_checkpoint(self.trainer._checkpoint_connector.hpc_save_path(self.trainer.default_root_dir))
+
+    monkeypatch.setattr(_SignalConnector, "_slurm_sigusr_handler_fn", requeue)
+    callback, trainer, code = _fit(tmp_path, _SignalAt(str(tmp_path), signal.SIGUSR1, at=1), default_root_dir=tmp_path)
+    assert calls == [(signal.SIGUSR1, 2)] and code == 0
+    assert callback.path is not None and callback.path.exists() and "hpc_ckpt" in callback.path.name
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(TypeError, match="`filename` must be a non-empty str, got 3"):
+        PreemptionCheckpoint(filename=3)
+    with pytest.raises(TypeError, match="`exit_code` must be an int or 'signal', got '1'"):
+        PreemptionCheckpoint(exit_code="1")
+
+
+def test_exit_code_signal_is_128_plus_the_signal(tmp_path):
+    module = _SignalAt(str(tmp_path), signal.SIGTERM, at=1)
+    callback = PreemptionCheckpoint(tmp_path, exit_code="signal")
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=1, callbacks=[callback])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(module)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stop.value.code == 128 + signal.SIGTERM == 143
+
+
+def test_it_pickles_without_its_handlers():
+    import pickle
+
+    callback = PreemptionCheckpoint("x")
+    callback._previous = {signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+    assert pickle.loads(pickle.dumps(callback))._previous == {}
