@@ -20,8 +20,7 @@ _ENV_KEYS = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _restore_global_state():
+def _capture() -> tuple:
     env = {key: os.environ.get(key) for key in _ENV_KEYS}
     flags = (
         torch.are_deterministic_algorithms_enabled(),
@@ -33,11 +32,11 @@ def _restore_global_state():
     )
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    threads = torch.get_num_threads()
-    # Lightning's launcher writes the port it picked into os.environ, where every later fit (and every child
-    # process) would reuse it for the rest of the session; one process still holding it then fails them all.
-    os.environ["MASTER_PORT"] = str(free_port())
-    yield
+    return env, flags, rng, cuda_rng, torch.get_num_threads()
+
+
+def _restore(state: tuple) -> None:
+    env, flags, rng, cuda_rng, threads = state
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -56,6 +55,24 @@ def _restore_global_state():
     torch.set_num_threads(threads)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_global_state_per_module():
+    """What a module-scoped fixture changes (a fit run once for a module's tests) does not reach the next module."""
+    state = _capture()
+    yield
+    _restore(state)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    state = _capture()
+    # Lightning's launcher writes the port it picked into os.environ, where every later fit (and every child
+    # process) would reuse it for the rest of the session; one process still holding it then fails them all.
+    os.environ["MASTER_PORT"] = str(free_port())
+    yield
+    _restore(state)
 
 
 def pytest_collection_finish(session):
