@@ -214,6 +214,15 @@ PIECES: tuple[Piece, ...] = (
           _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.dump_checkpoint",
                   "self", "weights_only")),
     # torch
+    Piece("torch.utils.checkpoint.CheckpointFunction.forward(ctx, run_function, preserve_rng_state),"
+          " _checkpoint_without_reentrant_generator(fn, preserve_rng_state) (also in"
+          " torch.distributed._composable.checkpoint_activation)",
+          "activation checkpointing restores only the default generators for a recomputation; the package's streams"
+          " are replayed by wrapping the two functions every checkpointing form calls (torch has no hook)",
+          lambda: _exists("torch.utils.checkpoint:CheckpointFunction.forward", "ctx", "run_function",
+                          "preserve_rng_state")()
+          and _exists("torch.utils.checkpoint:_checkpoint_without_reentrant_generator", "fn", "preserve_rng_state")()
+          and _exists("torch.distributed._composable.checkpoint_activation:_checkpoint_without_reentrant_generator")()),
     Piece("torch.distributed.distributed_c10d._get_default_store(); Store.compare_set, .check",
           "ranks agree to stop inside an evaluation pass through the store, where a collective could pair with a"
           " rank's own", lambda: _exists("torch.distributed.distributed_c10d:_get_default_store")()

@@ -7,7 +7,12 @@ This module is a leaf: it knows torch and numpy, not Lightning's strategies.
   dicts only, so ``torch.load(weights_only=True)`` reads them back.
 - :class:`RNGStatesTracker` and :func:`get_rng_tracker`: named streams that :meth:`RNGStatesTracker.fork` switches
   the default generator(s) to and back from (tensor-parallel dropout).
-- :func:`generator`: a cached, separately seeded ``torch.Generator`` for one purpose.
+- :func:`generator`: a cached, separately seeded ``torch.Generator`` for one purpose
+  (:mod:`~lightning_determinism.seeding.generators`).
+
+The tracker's streams are replayed in activation checkpointing's recomputations
+(:mod:`~lightning_determinism.seeding.recompute`): a fork inside a checkpointed block draws in the backward's
+recomputation what it drew in the forward.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_determinism.seeding import recompute
+from lightning_determinism.seeding.generators import (
+    generator,
+    named_generator_states,
+    restore_named_generators,
+)
 from lightning_determinism.seeding.record import BASE_SEED_ENV
 from lightning_determinism.seeding.seeds import check_seed, derive_seed
 
@@ -55,12 +67,7 @@ class _Fork:
             return
         stream = self._stream
         if stream is None:
-            stream = self._stream = self._tracker._states.get(self._name)  # added after this fork was made
-            if stream is None:
-                raise RuntimeError(
-                    f"RNG stream {self._name!r} is not tracked; register it with `get_rng_tracker().add("
-                    f"{self._name!r}, seed)` or call `model_parallel_seed(seed, topology)` first"
-                )
+            stream = self._stream = self._tracker._untracked(self._name)  # added after this fork was made
             self._cuda = "cuda" in stream
         self._depth = 1
         self._saved_cpu = _get_cpu_state()
@@ -85,6 +92,15 @@ class _Fork:
 
 _CPU = torch.default_generator
 _get_cpu_state, _set_cpu_state = _CPU.get_state, _CPU.set_state  # bound once: a fork is a few µs, lookups count
+
+
+def _seeded(seed: int) -> dict[str, torch.Tensor]:
+    """A stream's state at its start: the CPU generator's and, with CUDA, the current device's."""
+    state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        state["cuda"] = torch.Generator(device=f"cuda:{device}").manual_seed(seed).get_state()
+    return state
 
 
 class RNGStatesTracker:
@@ -149,12 +165,58 @@ class RNGStatesTracker:
         for other, other_seed in self._seeds.items():
             if other_seed == seed:
                 raise ValueError(f"seed {seed} of RNG stream {name!r} is already used by stream {other!r}")
-        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-        if torch.cuda.is_available():
-            device = torch.cuda.current_device()
-            state["cuda"] = torch.Generator(device=f"cuda:{device}").manual_seed(seed).get_state()
-        self._states[name] = state
+        self._states[name] = _seeded(seed)
         self._seeds[name] = seed
+
+    def _untracked(self, name: str) -> dict[str, torch.Tensor]:
+        """The stream a fork enters; the default one, outside model parallelism, this rank's own from the base seed."""
+        stream = self._states.get(name)
+        if stream is not None:
+            return stream
+        base = os.environ.get(BASE_SEED_ENV) or os.environ.get("PL_GLOBAL_SEED")
+        if name != DEFAULT_STREAM or base is None:
+            raise RuntimeError(
+                f"RNG stream {name!r} is not tracked; register it with `get_rng_tracker().add({name!r}, seed)` or call"
+                " `model_parallel_seed(seed, topology)` first"
+                + ("" if name != DEFAULT_STREAM else " (or seed the run: `set_seed`, a deterministic strategy)")
+            )
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.add(name, derive_seed(int(base), "tracker", name, rank))
+        rank_zero_info(
+            f"lightning_determinism: RNG stream {name!r} is not set up by model parallelism; `fork()` draws from a"
+            " stream of each rank's own, derived from the base seed (as one process or DDP would)"
+        )
+        return self._states[name]
+
+    def _snapshot(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, tuple[Any, ...]]]:
+        """The streams and the forks' bookkeeping now, for a checkpointed forward's recomputation.
+
+        Shallow: a fork replaces a stream's state tensors at its exit and never writes into them.
+        """
+        forks = {
+            name: (fork._depth, getattr(fork, "_saved_cpu", None), fork._saved_cuda)
+            for name, fork in self._forks.items()
+        }
+        return {name: dict(state) for name, state in self._states.items()}, forks
+
+    def _swap(
+        self, snapshot: tuple[dict[str, dict[str, torch.Tensor]], dict[str, tuple[Any, ...]]]
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, tuple[Any, ...]]]:
+        """Put a :meth:`_snapshot` in place (the stream dicts keep their identity: open forks hold them).
+
+        A stream added since the snapshot (a first fork inside the checkpointed block) starts again from its seed.
+        A fork that was open when the snapshot was taken is open again, so a nested fork of its stream draws from
+        the default generator, which torch restored; one opened since is closed for as long as the snapshot is in.
+        """
+        current = self._snapshot()
+        streams, forks = snapshot
+        for name, live in self._states.items():
+            saved = streams.get(name)
+            live.clear()
+            live.update(saved if saved is not None else _seeded(self._seeds[name]))
+        for name, fork in self._forks.items():
+            fork._depth, fork._saved_cpu, fork._saved_cuda = forks.get(name, (0, None, None))
+        return current
 
     def fork(self, name: str = DEFAULT_STREAM) -> _Fork:
         """Draw from stream ``name`` inside the ``with`` block; the caller's stream is restored after it.
@@ -196,6 +258,8 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+# From the start, so that a stream first forked inside a checkpointed block is replayed in its recomputation too.
+recompute.register(_TRACKER._snapshot, _TRACKER._swap)
 
 
 def get_rng_tracker() -> RNGStatesTracker:
@@ -206,47 +270,6 @@ def get_rng_tracker() -> RNGStatesTracker:
         True
     """
     return _TRACKER
-
-
-_GENERATORS: dict[tuple[str, str], torch.Generator] = {}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def generator(name: str, device: torch.device | str | None = None) -> torch.Generator:
-    """A cached generator for one purpose, seeded with ``derive_seed(base, "generator", name, rank)``.
-
-    Code that samples actions, noise or masks can draw from it (``torch.rand(..., generator=g)``) without touching
-    the global state: reproducible, independent of everything else that draws, and cheaper than a fork. The base
-    seed is the one :func:`~lightning_determinism.set_seed` or a deterministic strategy put in effect; its state is
-    part of :func:`capture_rng_state`.
-
-    Raises:
-        RuntimeError: if no base seed is in effect yet.
-
-    Examples:
-        >>> from lightning_determinism import set_seed
-        >>> _ = set_seed(3)
-        >>> g = generator("noise")
-        >>> g is generator("noise"), g.device.type
-        (True, 'cpu')
-    """
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    key = (name, str(dev))
-    cached = _GENERATORS.get(key)
-    if cached is not None:
-        return cached
-    base = os.environ.get(BASE_SEED_ENV) or os.environ.get("PL_GLOBAL_SEED")
-    if base is None:
-        raise RuntimeError(
-            f"generator({name!r}) needs a base seed: call `set_seed(...)` or run under a deterministic strategy"
-        )
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(derive_seed(int(base), "generator", name, _rank()))
-    _GENERATORS[key] = gen
-    return gen
 
 
 def _python_state() -> dict[str, Any]:
@@ -317,22 +340,6 @@ def capture_rng_state() -> dict[str, Any]:
         "tracker": _TRACKER.get_states(),
         "generators": named_generator_states(),
     }
-
-
-def named_generator_states() -> dict[str, torch.Tensor]:
-    """The states of the :func:`generator` instances, by ``"name@device"``."""
-    return {f"{name}@{dev}": gen.get_state() for (name, dev), gen in _GENERATORS.items()}
-
-
-def restore_named_generators(states: dict[str, torch.Tensor]) -> None:
-    """Put back what :func:`named_generator_states` returned (creating generators that do not exist yet)."""
-    for key, gen_state in states.items():
-        name, _, dev = key.rpartition("@")
-        gen = _GENERATORS.get((name, dev))
-        if gen is None:
-            gen = torch.Generator(device=dev)
-            _GENERATORS[(name, dev)] = gen
-        gen.set_state(gen_state)
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import lightning_determinism.seeding.rng as rng_module
+import lightning_determinism.seeding.generators as generators_module
 from lightning_determinism import set_seed
 from lightning_determinism.seeding.rng import (
     RNGStatesTracker,
@@ -20,13 +20,13 @@ from tests.helpers.lightning_models import draws
 
 @pytest.fixture(autouse=True)
 def _clean_tracker_and_generators():
-    saved_states, saved_gens = get_rng_tracker().get_states(), dict(rng_module._GENERATORS)
+    saved_states, saved_gens = get_rng_tracker().get_states(), dict(generators_module._GENERATORS)
     get_rng_tracker().reset()
-    rng_module._GENERATORS.clear()
+    generators_module._GENERATORS.clear()
     yield
     get_rng_tracker().set_states(saved_states)
-    rng_module._GENERATORS.clear()
-    rng_module._GENERATORS.update(saved_gens)
+    generators_module._GENERATORS.clear()
+    generators_module._GENERATORS.update(saved_gens)
 
 
 def ref(seed, n=3):
@@ -198,7 +198,7 @@ def test_generator_is_cached_seeded_and_separate():
     assert generator("actions") is g
     assert generator("noise") is not g
     a = torch.rand(3, generator=g)
-    rng_module._GENERATORS.clear()
+    generators_module._GENERATORS.clear()
     set_seed(4)
     torch.rand(100)  # the global stream moving does not matter
     assert torch.equal(torch.rand(3, generator=generator("actions")), a)

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parents[1] / "helpers" / "scripts" / "model_parallel_run.py"
 FABRIC = Path(__file__).parents[1] / "helpers" / "scripts" / "fabric_model_parallel.py"
 CONFIGS = [
-    {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True, "preempt": [3]},
+    {"name": "tp2", "dp": 1, "tp": 2, "resume": [5], "twice": True, "preempt": [3], "checkpointed": True},
     # FSDP2 over data_parallel, tensor parallel inside; resumed on data_parallel_size 1 (x tp 2) and 4 (x tp 1)
-    {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5], "elastic": [[5, 1, 2], [5, 4, 1]]},
+    {"name": "dp2tp2", "dp": 2, "tp": 2, "resume": [5], "elastic": [[5, 1, 2], [5, 4, 1]], "checkpointed": True},
 ]
 
 
@@ -47,6 +47,16 @@ def test_tensor_parallel_peers_share_default_masks_and_their_replicated_tensors_
             assert a["draws"]["default"] == b["draws"]["default"]
             assert a["replicated"] == b["replicated"] and a["replicated"]  # the head, the norm, the row bias
             assert a["draws"]["fork"] != b["draws"]["fork"]  # each shard its own stream
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
+def test_activation_checkpointing_with_the_trackers_dropout_trains_the_same_bits(runs, name):
+    # the forward under torch.utils.checkpoint (tensor parallel -> AC -> FSDP2): the recomputed forward draws the
+    # fork's masks again, so every loss and the trained weights are those of the run without checkpointing
+    straight, checkpointed = ranks(runs[0], name), ranks(runs[0], name, "checkpointed")
+    for a, b in zip(straight, checkpointed, strict=True):
+        assert {s: v["loss"] for s, v in a["steps"].items()} == {s: v["loss"] for s, v in b["steps"].items()}
+        assert a["final"] == b["final"]
 
 
 def test_data_parallel_ranks_draw_their_own_masks(runs):

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_determinism import (  # noqa: E402
@@ -38,6 +39,7 @@ from lightning_determinism.callbacks.replica_guard import replicated_digests  # 
 
 SEED = 23
 GUARD = os.environ.get("GUARD")  # "off": the mixin's old rule (base + rank), for the replica guard's test
+CHECKPOINTED = False  # the forward under activation checkpointing: the recipe's order, tensor parallel -> AC -> FSDP2
 
 
 class TPNet(nn.Module):
@@ -49,6 +51,11 @@ class TPNet(nn.Module):
         self.head = nn.Linear(8, 1)
 
     def forward(self, x):
+        if CHECKPOINTED:  # recomputed in the backward: the fork's dropout must draw the forward's mask again
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         h = torch.relu(self.up(x))  # column-parallel: each tensor-parallel rank holds a shard of the features
         with get_rng_tracker().fork():  # dropout on the shard: each rank its own stream
             h = nn.functional.dropout(h, 0.3)
@@ -140,8 +147,11 @@ class OldRule(DeterministicModelParallelStrategy):
 
 
 def fit(
-    out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool = True, preempt_at: int | None = None
-) -> None:
+    out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool = True, preempt_at: int | None = None,
+    checkpointed: bool = False,
+) -> None:  # fmt: skip
+    global CHECKPOINTED
+    CHECKPOINTED = checkpointed
     out.mkdir(parents=True, exist_ok=True)
     cls = OldRule if GUARD == "off" else DeterministicModelParallelStrategy
     strategy = cls(seed=SEED, data_parallel_size=dp, tensor_parallel_size=tp, start_method="fork")
@@ -174,6 +184,8 @@ if __name__ == "__main__":
         root.mkdir(parents=True, exist_ok=True)
         one_process(root)
         fit(root / "straight", config["dp"], config["tp"])
+        if config.get("checkpointed"):
+            fit(root / "checkpointed", config["dp"], config["tp"], every_step=False, checkpointed=True)
         if config.get("twice"):
             fit(root / "again", config["dp"], config["tp"], every_step=False)
         for k, dp, tp in config.get("elastic", []):  # another data-parallel size: DCP reshards, the rest is dealt
