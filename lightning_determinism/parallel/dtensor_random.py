@@ -6,7 +6,8 @@ mask depends on the tensor-parallel degree and the shard dimension. On CUDA its 
 random op, broadcasts rank 0's generator state to every rank: per-rank seeds (data-parallel ranks' own masks) are
 undone, and its offset scheme is not the one-device stream either (pytorch#168058).
 
-:func:`install` replaces those ops (dropout's ``bernoulli_``, ``uniform_``, ``normal_``, ``rand_like``, ...) on
+:func:`install` replaces those ops (dropout's ``bernoulli_``, ``uniform_``, ``normal_``, ``rand_like``, and the in-place
+samplers ``exponential_``, ``log_normal_``, ``geometric_``, ``cauchy_``, ``random_``, ...) on
 DTensors by one rule, on every device: draw the whole tensor, as one device would, from the current stream, and keep
 this rank's part. Under the mesh's seeding rule the default stream is shared by tensor-parallel peers, so a
 ``Shard`` DTensor holds exactly its slice of the one-device draw, whatever the degree or the shard dimension, and a
@@ -42,6 +43,17 @@ from lightning_determinism._compat.access import (
 )
 
 _aten = torch.ops.aten
+SAMPLERS = (
+    _aten.exponential_.default,
+    _aten.log_normal_.default,
+    _aten.geometric_.default,
+    _aten.cauchy_.default,
+    _aten.random_.default,
+    getattr(_aten.random_, "from"),
+    _aten.random_.to,
+)
+"""In-place samplers DTensor does not count as random: stock, on a shard, each would draw the first slice's numbers
+(or have no sharding rule at all); routed like the others, whether or not this torch knows them as random."""
 VALUE_FREE = (
     _aten.uniform_.default,
     _aten.normal_.default,
@@ -50,9 +62,10 @@ VALUE_FREE = (
     _aten.randn_like.default,
     _aten.randint_like.default,
     _aten.randint_like.low_dtype,
+    *SAMPLERS,
 )
 """Ops whose draws depend on the tensor's shape and dtype only: the whole tensor need not hold this rank's values."""
-IN_PLACE = (_aten.uniform_.default, _aten.normal_.default, _aten.bernoulli_.float)
+IN_PLACE = (_aten.uniform_.default, _aten.normal_.default, _aten.bernoulli_.float, *SAMPLERS)
 VALUE_DEPENDENT = (_aten.native_dropout.default, _aten.bernoulli.default)
 """Ops that read the values (dropout's input, bernoulli's probabilities): the whole tensor holds this rank's part."""
 HANDLED = VALUE_FREE + VALUE_DEPENDENT
@@ -68,7 +81,8 @@ def install(mesh: Any = None) -> list[Any]:
             (it is then never asked for the routed ops; its ``rand``/``randn`` factories keep each rank's state).
     """
     handlers = dtensor_op_handlers()
-    routed = [op for op in HANDLED if op in dtensor_random_ops()]
+    random_ops = dtensor_random_ops()
+    routed = [op for op in HANDLED if op in random_ops or op in SAMPLERS]
     for op in routed:
         if handlers.get(op) is not draw_whole:
             _saved.setdefault(op, handlers.get(op))
@@ -145,4 +159,14 @@ def _local_op(op: Any, tensor: DTensor, args: tuple[Any, ...], kwargs: dict[str,
     return wrap_dtensor(results, tensor)
 
 
-__all__ = ["HANDLED", "IN_PLACE", "VALUE_DEPENDENT", "VALUE_FREE", "draw_whole", "install", "installed", "uninstall"]
+__all__ = [
+    "HANDLED",
+    "IN_PLACE",
+    "SAMPLERS",
+    "VALUE_DEPENDENT",
+    "VALUE_FREE",
+    "draw_whole",
+    "install",
+    "installed",
+    "uninstall",
+]

@@ -18,8 +18,20 @@ def _one_device(seed):
     """What one process draws, in order, from one seed: the reference."""
     torch.manual_seed(seed)
     ones = torch.ones(SHAPE)
-    drawn = [F.dropout(ones, 0.5), torch.empty(SHAPE).uniform_(-1, 1), torch.randn_like(ones), torch.rand(3)]
-    return drawn
+    drawn = [F.dropout(ones, 0.5), torch.empty(SHAPE).uniform_(-1, 1), torch.randn_like(ones)]
+    drawn += [draw(torch.empty(SHAPE)) for draw in IN_PLACE_DRAWS]
+    return [*drawn, torch.rand(3)]
+
+
+IN_PLACE_DRAWS = (  # the in-place samplers DTensor does not count as random ops: routed too, never stock
+    lambda t: t.exponential_(2.0),
+    lambda t: t.log_normal_(0.5, 1.5),
+    lambda t: t.geometric_(0.3),
+    lambda t: t.cauchy_(),
+    lambda t: t.random_(0, 100),
+    lambda t: t.random_(50),
+    lambda t: t.random_(),
+)
 
 
 def _draws(rank, world_size, out_dir, exact):
@@ -35,6 +47,8 @@ def _draws(rank, world_size, out_dir, exact):
         ones = distribute_tensor(torch.ones(SHAPE), mesh, [placement], src_data_rank=None)
         drawn = [F.dropout(ones, 0.5), distribute_tensor(torch.empty(SHAPE), mesh, [placement]).uniform_(-1, 1),
                  torch.randn_like(ones)]  # fmt: skip
+        if exact:  # stock: some have no sharding rule at all (random_), the others draw the first slice's numbers
+            drawn += [draw(distribute_tensor(torch.empty(SHAPE), mesh, [placement])) for draw in IN_PLACE_DRAWS]
         record[name] = [t.full_tensor() for t in drawn] + [torch.rand(3)]  # the stream afterwards, too
     dtensor_random.uninstall()
     torch.save(record, out_dir / f"rank{rank}.pt")
