@@ -59,9 +59,21 @@ KERNEL = LazyLibrary(SOURCE, "digest_lanes", _declare)
 def whole_lanes(words: torch.Tensor, start: int = 0) -> tuple[int, int] | None:
     """The two lanes of a contiguous CPU integer view ``words`` (a tensor's bits), or ``None`` without the kernel.
 
-    Word ``i`` lies at position ``start + i`` of the whole tensor.
+    Word ``i`` lies at position ``start + i`` of the whole tensor. The kernel reads memory: it is handed only a plain,
+    dense, contiguous CPU tensor of 1, 2, 4 or 8-byte words with storage of its own; anything else (a subclass, a
+    sparse or meta tensor) takes the torch path, so no tensor can make it read outside its data.
     """
-    if words.device.type != "cpu" or not words.is_contiguous() or not KERNEL.available():
+    if (
+        type(words) is not torch.Tensor
+        or words.layout != torch.strided
+        or words.device.type != "cpu"
+        or not words.is_contiguous()
+        or words.element_size() not in (1, 2, 4, 8)
+        or words.dtype.is_floating_point
+        or words.dtype.is_complex
+        or (words.numel() and not words.data_ptr())
+        or not KERNEL.available()
+    ):
         return None
     sums = (ctypes.c_uint64 * 2)()
     KERNEL.lib.ldet_digest_lanes(words.data_ptr(), words.numel(), words.element_size(), start, sums)

@@ -85,9 +85,32 @@ def _mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as a plain ``torch.Tensor`` with storage of its own (no copy of one that is plain).
+
+    A tensor subclass (``AsyncCollectiveTensor``, the output of a ``RowwiseParallel`` module, whose collective may still
+    be in flight; any other wrapper) has no data of its own to read: an ``AsyncCollectiveTensor`` is waited on, any
+    other subclass is copied into a plain tensor through its own dispatch. ``DTensor`` s are digested shard by shard
+    by the callers, never here.
+    """
+    tensor = tensor.detach()
+    if type(tensor) is torch.Tensor:
+        return tensor
+    wait = getattr(tensor, "wait", None)
+    if callable(wait):  # an AsyncCollectiveTensor: its collective done, its values plain
+        tensor = wait()
+    if type(tensor) is not torch.Tensor:
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        copy.copy_(tensor)
+        tensor = copy
+    return tensor
+
+
 def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The elements' bits as a flat integer view (no copy of a contiguous tensor), and int64 words per element."""
-    tensor = tensor.detach()
+    tensor = plain(tensor)
+    if tensor.is_meta:
+        raise ValueError("a meta tensor has no values to digest; digest it once it is materialised")
     if tensor.layout != torch.strided:
         tensor = tensor.to_dense()
     tensor = tensor.contiguous().reshape(-1)
@@ -350,6 +373,7 @@ __all__ = [
     "mesh_ranks",
     "owns",
     "partial_sums",
+    "plain",
     "shard_lanes",
     "signed_word",
     "reference_digest",

@@ -85,3 +85,76 @@ def test_the_c_kernel_gives_the_torch_paths_lanes_bit_for_bit(monkeypatch):
     assert with_kernel == without
     assert with_kernel[0][0] != with_kernel[0][1]  # not a constant
     assert [tensor_digest.combine(r) for r in with_kernel[2]] == with_kernel[0]  # the runs add up to the whole
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass with no storage of its own (as AsyncCollectiveTensor is): its values live in ``elem``."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # results wrapped again, views too
+        unwrap = lambda t: t.elem if isinstance(t, _Wrapper) else t  # noqa: E731
+        wrap = lambda t: _Wrapper(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        tree_map = torch.utils._pytree.tree_map
+        return tree_map(wrap, func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {})))
+
+
+def _kinds():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 10, generator=gen)
+    return {
+        "contiguous": x,
+        "transposed": x.T,
+        "strided": x[:, ::3],
+        "expanded": torch.randn(1, 10, generator=gen).expand(4, 10),
+        "offset view": x.view(-1)[7:29],
+        "bf16": x.bfloat16(),
+        "fp16 view": x.half()[1:, 2:],
+        "int64": torch.arange(-5, 12),
+        "int8": torch.arange(-100, 100, 7, dtype=torch.int8),
+        "bool": x > 0,
+        "empty": torch.empty(0, 3),
+        "0-dim": torch.tensor(2.5),
+        "requires_grad": x.clone().requires_grad_(),
+        "complex128": torch.randn(5, dtype=torch.complex128, generator=gen),
+        "sparse": x.relu().to_sparse(),
+        "wrapper subclass": _Wrapper(x.clone()),
+    }
+
+
+@pytest.mark.parametrize("name", list(_kinds()))
+def test_every_kind_of_tensor_digests_as_its_plain_copy_never_a_crash(name):
+    tensor = _kinds()[name]
+    values = tensor.elem if isinstance(tensor, _Wrapper) else tensor  # what the wrapper holds
+    copy = (values.to_dense() if values.layout != torch.strided else values).detach().clone().contiguous()
+    assert type(copy) is torch.Tensor
+    assert digest_of(tensor) == reference_digest(copy)
+
+
+def test_the_c_kernel_is_never_handed_what_it_cannot_read():
+    from lightning_determinism.divergence._digest_native import KERNEL, whole_lanes
+
+    if not KERNEL.available():
+        pytest.skip("no C compiler: the torch path only")
+    words = torch.arange(12, dtype=torch.int32)
+    assert whole_lanes(words) is not None
+    refused = {
+        "a wrapper subclass (no storage)": _Wrapper(words),
+        "floating point": words.float(),
+        "not contiguous": words[::2],
+        "meta": torch.empty(12, dtype=torch.int32, device="meta"),
+        "sparse": words.to_sparse(),
+    }
+    for name, tensor in refused.items():
+        assert whole_lanes(tensor) is None, name
+
+
+def test_a_meta_tensor_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="a meta tensor has no values to digest"):
+        digest_of(torch.empty(3, device="meta"))

@@ -63,3 +63,32 @@ def test_one_parameters_digest_is_the_one_process_digest_whatever_the_sharding(t
         for name, norm in norms.items():  # float64 partial sums added in another order: equal to 1e-15 relative
             assert record.pop(name) == pytest.approx(norm, rel=1e-15, abs=0)
         assert record == reference
+
+
+def _async_collective(rank, world_size, out_dir):
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    from lightning_determinism import fingerprint
+    from lightning_determinism.divergence.tensor_digest import digest_of
+
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (rank + 1)
+    reduced = funcol.all_reduce(x, "sum", dist.group.WORLD)  # what a RowwiseParallel module returns, not waited on
+    assert type(reduced).__name__ == "AsyncCollectiveTensor"
+    record = {
+        "digest": digest_of(reduced),
+        "fingerprint": fingerprint({"t": funcol.all_reduce(x, "sum", dist.group.WORLD)}),
+    }
+    torch.save(record, out_dir / f"rank{rank}.pt")
+
+
+def test_an_async_collective_tensor_is_digested_after_its_collective_never_a_crash(tmp_path):
+    from lightning_determinism import fingerprint
+    from lightning_determinism.divergence.tensor_digest import reference_digest
+
+    run_distributed(_async_collective, tmp_path, tmp_path)
+    want = torch.arange(24, dtype=torch.float32).reshape(4, 6) * 3  # rank 0's x + rank 1's x
+    for rank in range(2):
+        record = torch.load(tmp_path / f"rank{rank}.pt")
+        assert record["digest"] == reference_digest(want)
+        assert record["fingerprint"] == fingerprint({"t": want})
