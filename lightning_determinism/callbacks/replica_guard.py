@@ -4,9 +4,10 @@ Under tensor parallelism every parameter or buffer that is not sharded along the
 LayerNorm, a head, a plain tensor, a ``Replicate`` DTensor placement) is held by every tensor-parallel peer and must
 stay equal there: nothing synchronises it again. Other dropout masks on a replicated activation, another intra-op
 thread count (a reduction summed in another order) or a kernel that is not deterministic make the copies drift apart
-silently. The guard compares sha256 digests (never the tensors) across the tensor-parallel group every
-``every_n_train_steps`` optimizer steps and raises one error naming the step, the first parameter that differs and
-the ranks.
+silently. The guard compares sha256 digests (never the tensors) across the tensor-parallel group after the first
+optimizer step, every ``every_n_train_steps`` steps, before every checkpoint is written and at the end of fit, and
+raises one error naming the step, the first parameter that differs and the ranks: no run ends, and no checkpoint is
+saved, with drifted replicas unsaid, however short.
 """
 
 from __future__ import annotations
@@ -55,13 +56,16 @@ def replicated_digests(module: torch.nn.Module, dim: str = TP_DIM) -> dict[str, 
 
 
 class ReplicaGuard(Callback):
-    """Check every ``every_n_train_steps`` steps that tensor-parallel peers hold bitwise-equal replicated tensors.
+    """Check that tensor-parallel peers hold bitwise-equal replicated tensors, so no run ends with them drifted.
 
-    ``DeterministicModelParallelStrategy`` adds one (every 100 steps) unless the trainer has one; on a strategy without
-    a ``"tensor_parallel"`` mesh dimension (or of size 1) it does nothing.
+    The check runs after the first optimizer step, every ``every_n_train_steps`` steps, whenever a checkpoint is
+    saved (before it is written: a drifted state is never saved as if it were sound) and at the end of fit; a step
+    is checked once. ``DeterministicModelParallelStrategy`` adds one (every 100 steps) unless the trainer has one; on a
+    strategy without a ``"tensor_parallel"`` mesh dimension (or of size 1) it does nothing.
 
     Args:
-        every_n_train_steps: how often, in optimizer steps; ``0`` never.
+        every_n_train_steps: how often, in optimizer steps, besides the first step, the saves and the end; ``0``
+            turns the guard off.
 
     Raises:
         ValueError: for ``every_n_train_steps`` that is not a non-negative int.
@@ -76,14 +80,32 @@ class ReplicaGuard(Callback):
             raise ValueError(f"`every_n_train_steps` must be an int >= 0, got {every_n_train_steps!r}")
         self.every_n_train_steps = every_n_train_steps
         self.checks = 0
+        self._checked_step = -1
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        n = self.every_n_train_steps
-        if n and not should_accumulate(trainer) and trainer.global_step % n == 0:
-            self.check(trainer, pl_module)
+        n, step = self.every_n_train_steps, trainer.global_step
+        if n and not should_accumulate(trainer) and (step % n == 0 or step == 1):
+            self._check_once(trainer, pl_module)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.every_n_train_steps:  # every rank saves (Lightning's contract): the collective pairs up
+            self._check_once(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.every_n_train_steps:
+            self._check_once(trainer, pl_module)
+
+    def _check_once(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
+        if trainer.global_step != self._checked_step:
+            self.check(trainer, module)
+            self._checked_step = trainer.global_step
 
     def check(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
         """Compare the digests across the tensor-parallel group (collective within it); raise on the first mismatch.
