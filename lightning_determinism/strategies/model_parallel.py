@@ -41,7 +41,9 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         kwargs: passed on to the mixin and ``ModelParallelStrategy``.
 
     Raises:
-        ValueError: for an unknown ``start_method``.
+        ValueError: for an unknown ``start_method``, a mesh size that is not ``"auto"`` or a positive int, the
+            invariant mode with ``tensor_parallel_size > 1``; before launch, in the main process, for sizes whose
+            product is not the number of processes the Trainer will start (``devices`` x ``num_nodes``).
 
     Examples:
         >>> strategy = DeterministicModelParallelStrategy(seed=3, tensor_parallel_size=2, start_method="fork")
@@ -55,6 +57,32 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         self.start_method = start_method
         self._ldet_weights_stay_in_ranks = True  # sharded weights are not sent back to a fork/spawn main process
         super().__init__(*args, **kwargs)
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            size = getattr(self, f"_{name}")
+            if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"`{name}` must be 'auto' or a positive int, got {size!r}")
+        self._ldet_check_invariant_mesh(self._tensor_parallel_size)
+
+    def _ldet_check_invariant_mesh(self, tensor_parallel_size: Any) -> None:
+        if self.invariant is not None and isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
+            raise ValueError(
+                "world-size-invariant training (`global_batch_size`, `micro_batch_size`) runs on FSDP2 over"
+                f" data-parallel ranks: it needs `tensor_parallel_size=1`, got {tensor_parallel_size} (a"
+                " tensor-parallel rank's micro-batches are not its own)"
+            )
+
+    def _ldet_check_mesh(self, world_size: int) -> None:
+        """The mesh's sizes against the processes the Trainer will start, as Lightning resolves ``"auto"``."""
+        devices = world_size // max(int(self.num_nodes), 1)
+        dp = self.num_nodes if self._data_parallel_size == "auto" else self._data_parallel_size
+        tp = devices if self._tensor_parallel_size == "auto" else self._tensor_parallel_size
+        if dp * tp != world_size:
+            raise ValueError(
+                f"`data_parallel_size={self._data_parallel_size}` x `tensor_parallel_size={self._tensor_parallel_size}`"
+                f" (resolved: {dp} x {tp} = {dp * tp}) must equal the {world_size} processes the Trainer starts"
+                f" (devices={devices} x num_nodes={self.num_nodes})"
+            )
+        self._ldet_check_invariant_mesh(tp)
 
     @override
     def setup_environment(self) -> None:
@@ -66,6 +94,7 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
+        self._ldet_check_mesh(self._ldet_planned_world_size())  # in the main process: one line, not one per rank
         environment = self.cluster_environment
         if self.start_method != "popen" and environment is not None and not environment.creates_processes_externally:
             launcher = MultiProcessingLauncher(self, start_method=self.start_method)  # type: ignore[arg-type]

@@ -259,3 +259,41 @@ def test_every_name_the_docs_use_imports_from_the_top_level():
         assert hasattr(lightning_determinism, name), name
         assert name in lightning_determinism.__all__, name
     assert lightning_determinism.__all__ == sorted(lightning_determinism.__all__)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_parallel_size": 0}, r"`tensor_parallel_size` must be 'auto' or a positive int, got 0"),
+        ({"data_parallel_size": "2"}, r"`data_parallel_size` must be 'auto' or a positive int, got '2'"),
+        ({"tensor_parallel_size": 2, "global_batch_size": 8, "micro_batch_size": 4},
+         r"it needs `tensor_parallel_size=1`, got 2"),
+    ],
+)  # fmt: skip
+def test_model_parallel_mistakes_are_refused_at_construction(kwargs, match):
+    from lightning_determinism import DeterministicModelParallelStrategy
+
+    with pytest.raises(ValueError, match=match):
+        DeterministicModelParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "match"),
+    [
+        ({"tensor_parallel_size": 3}, 2, r"resolved: 1 x 3 = 3\) must equal the 2 processes the Trainer starts"),
+        ({"data_parallel_size": 2, "tensor_parallel_size": 2}, 2, r"resolved: 2 x 2 = 4\) must equal the 2"),
+        ({"global_batch_size": 8, "micro_batch_size": 4}, 2, r"it needs `tensor_parallel_size=1`, got 2"),  # auto
+    ],
+)
+def test_a_mesh_that_does_not_fit_the_devices_is_refused_in_the_main_process_before_launch(kwargs, devices, match):
+    from lightning_determinism import DeterministicModelParallelStrategy
+
+    class Refused(L.LightningModule):
+        def setup(self, stage):  # a rank ran: the refusal came after launch
+            raise AssertionError("the ranks were launched")
+
+    strategy = DeterministicModelParallelStrategy(seed=1, start_method="fork", **kwargs)
+    with pytest.raises(ValueError, match=match):  # already when the Trainer sets the strategy up
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=1, logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+        trainer.fit(Refused())
