@@ -1,6 +1,8 @@
 """`diagnose` across world sizes: plain DDP on 1 and 2 processes differs in the reduction; world-size-invariant runs
 on 1 and 2 processes line up micro-batch by micro-batch (the same, or a fault named where it is)."""
 
+import json
+
 import pytest
 import torch
 
@@ -88,3 +90,33 @@ def test_a_checkpoint_sharded_over_two_ranks_is_read_whole_and_equals_the_one_pr
     assert torch.equal(whole["optimizer_states"][0]["state"]["net.weight"]["exp_avg"], WEIGHT / 2)
     found = bisect_checkpoints(tmp_path / "one", tmp_path / "two")
     assert (found.last_equal, found.first_different, found.differences) == (2, None, [])
+
+
+class _ShardedFaultNet(FaultNet):
+    def configure_model(self):
+        from torch.distributed._composable.fsdp import fully_shard
+
+        super().configure_model()
+        if self.device_mesh["data_parallel"].size() > 1:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def test_ddp_against_fsdp2_is_a_reduction_not_another_initialisation(tmp_path):
+    # FSDP2's parameters, gradients and Adam-free SGD state are DTensor shards: the probe records the whole tensors'
+    # digests and norms (as one process holding them would), so the recorded steps start from the same parameters
+    # and the first difference is the reduction, not "another initialisation".
+    from lightning_determinism import DeterministicModelParallelStrategy
+
+    _fit(tmp_path / "ddp.json", 2, p=0.0)
+    strategy = DeterministicModelParallelStrategy(seed=3, data_parallel_size=2, tensor_parallel_size=1,
+                                                  start_method="fork")  # fmt: skip
+    trainer = quiet_trainer(strategy, 2, max_steps=3, callbacks=[DivergenceProbe(tmp_path / "fsdp.json", 3)])
+    trainer.fit(_ShardedFaultNet(width=32, batch_size=8, p=0.0))
+
+    first = [json.loads((tmp_path / f"{n}.json").read_text())["steps"][0]["before"]["params"] for n in ("ddp", "fsdp")]
+    assert first[0].keys() == first[1].keys() and first[0]
+    for name in first[0]:
+        assert first[0][name]["digest"] == first[1][name]["digest"], name  # bitwise the same start
+        assert first[0][name]["norm"] == first[1][name]["norm"], name
+    found = diagnose(tmp_path / "ddp.json", tmp_path / "fsdp.json")
+    assert found["phase"] != "optimizer" and found["cause"] != "initialisation", found

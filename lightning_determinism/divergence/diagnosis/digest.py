@@ -22,35 +22,39 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_determinism.divergence.tensor_digest import hex_digest, shard_lanes
+from lightning_determinism.divergence.tensor_digest import digests, full_norms, hex_digest, is_dtensor, shard_lanes
 
 _MASK = (1 << 64) - 1
 
 
-def _update(h: Any, obj: Any) -> None:
+def _update(h: Any, obj: Any, whole: Mapping[int, str]) -> None:
     if isinstance(obj, torch.Tensor):
-        h.update(f"T|{obj.dtype}|{tuple(obj.shape)}|{hex_digest(shard_lanes(obj))}|".encode())
+        lanes = whole.get(id(obj)) or hex_digest(shard_lanes(obj))
+        h.update(f"T|{obj.dtype}|{tuple(obj.shape)}|{lanes}|".encode())
     elif isinstance(obj, Mapping):
         h.update(b"{")
         for key in sorted(obj, key=str):
             h.update(f"{key!s}:".encode())
-            _update(h, obj[key])
+            _update(h, obj[key], whole)
         h.update(b"}")
     elif isinstance(obj, (list, tuple)):
         h.update(f"[{len(obj)}".encode())
         for value in obj:
-            _update(h, value)
+            _update(h, value, whole)
         h.update(b"]")
     elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         h.update(f"{type(obj).__name__}|{obj!r}|".encode())
     elif isinstance(obj, np.ndarray):
-        _update(h, torch.from_numpy(np.ascontiguousarray(obj)))
+        _update(h, torch.from_numpy(np.ascontiguousarray(obj)), whole)
     else:  # an object the probe cannot look into: its type, so that two runs still agree
         h.update(f"<{type(obj).__module__}.{type(obj).__qualname__}>".encode())
 
 
-def digest(obj: Any) -> str:
+def digest(obj: Any, whole: Mapping[int, str] | None = None) -> str:
     """The digest of a tensor or a nested dict/list/tuple of tensors and plain values: 32 hex digits.
+
+    A ``DTensor`` counts with this rank's shard, unless ``whole`` (from :func:`whole_digests`) holds its whole
+    tensor's lanes: then the digest is the one a single process holding the whole tensor computes.
 
     Examples:
         >>> _ = torch.manual_seed(0)
@@ -63,8 +67,25 @@ def digest(obj: Any) -> str:
         False
     """
     h = hashlib.sha256()  # with the CPU's SHA instructions about twice as fast as blake2b here
-    _update(h, obj)
+    _update(h, obj, whole or {})
     return h.hexdigest()[:32]
+
+
+def whole_digests(obj: Any) -> dict[int, str]:
+    """The whole tensor's lanes of every ``DTensor`` in ``obj``, by ``id``, for :func:`digest`.
+
+    A collective over the tensors' meshes when ``obj`` holds a ``DTensor`` (every rank calls it with the same
+    structure: a model's parameters, gradients or optimizer state); nothing otherwise.
+    """
+    sharded = [t for t in tensors_in(obj) if is_dtensor(t)]
+    return dict(zip(map(id, sharded), digests(sharded), strict=True)) if sharded else {}
+
+
+def whole_norms(tensors: list[torch.Tensor]) -> list[float | None]:
+    """:func:`norm` of each whole tensor; a ``DTensor``'s from its owners' shards (one collective for all of them)."""
+    sharded = [t for t in tensors if is_dtensor(t) and t.is_floating_point() and t.numel()]
+    found = dict(zip(map(id, sharded), full_norms(sharded), strict=True)) if sharded else {}
+    return [found[id(t)] if id(t) in found else None if is_dtensor(t) else norm(t) for t in tensors]
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:

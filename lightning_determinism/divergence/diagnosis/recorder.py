@@ -39,7 +39,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_determinism.checkpoints.atomic import write_atomically
-from lightning_determinism.divergence.diagnosis.digest import digest, norm, rng_digests, sample_summary
+from lightning_determinism.divergence.diagnosis.digest import (
+    digest,
+    norm,
+    rng_digests,
+    sample_summary,
+    whole_digests,
+    whole_norms,
+)
 from lightning_determinism.divergence.diagnosis.hooks import ModuleHooks
 from lightning_determinism.divergence.diagnosis.probe_file import FORMAT, KIND
 from lightning_determinism.seeding.backends import determinism_report
@@ -96,11 +103,19 @@ def _plain(value: Any) -> Any:
 def _optimizer_record(optimizer: Any) -> dict[str, Any]:
     state = optimizer.state_dict()
     groups = [{k: _plain(v) for k, v in group.items() if k != "params"} for group in state.get("param_groups", [])]
-    return {"digest": digest(state.get("state", {})), "groups": groups}
+    tensors = state.get("state", {})
+    return {"digest": digest(tensors, whole_digests(tensors)), "groups": groups}
 
 
-def _tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
-    return {"digest": digest(tensor), "norm": norm(tensor)}
+def _tensor_records(named: list[tuple[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+    """Digest and norm of each tensor, a ``DTensor``'s of the whole tensor.
+
+    Parameters and gradients under FSDP2 and tensor parallel are recorded as one process holding them whole records
+    them (two collectives for all), so a sharded run lines up with an unsharded one.
+    """
+    tensors = [t for _, t in named]
+    whole, norms = whole_digests(tensors), whole_norms(tensors)
+    return {name: {"digest": digest(t, whole), "norm": n} for (name, t), n in zip(named, norms, strict=True)}
 
 
 def _exact_scale(accumulation: float) -> bool:
@@ -237,7 +252,7 @@ class ProbeRecorder:
         if self._step is None or "reduced" in self._step:
             return
         params = unwrap(model).named_parameters()
-        self._step["reduced"] = {name: _tensor_record(p.grad) for name, p in params if p.grad is not None}
+        self._step["reduced"] = _tensor_records([(name, p.grad) for name, p in params if p.grad is not None])
 
     def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
         """The parameters and optimizer state after the step; writes the file after the last recorded step."""
@@ -265,7 +280,7 @@ class ProbeRecorder:
     def _state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
         return {
-            "params": {name: _tensor_record(p) for name, p in model.named_parameters()},
+            "params": _tensor_records([(name, p.detach()) for name, p in model.named_parameters()]),
             "optimizers": [_optimizer_record(o) for o in optimizers],
         }
 
