@@ -31,7 +31,10 @@ _OPTIMIZER = re.compile(r"optimizer_(\d+)")
 
 
 def check_distributed_checkpoint(path: str | Path) -> None:
-    """The cheap check of a distributed checkpoint directory: rank 0's ``meta.pt`` and DCP's ``.metadata`` are there.
+    """The cheap check of a distributed checkpoint directory: its files are there, whole as far as sizes tell.
+
+    Rank 0's ``meta.pt`` and DCP's ``.metadata`` exist, and every shard file the index names exists and holds at
+    least the bytes the index places in it (a deleted or truncated shard is found here, not by each rank's load).
 
     Raises:
         DamagedCheckpointError: naming the directory and the missing file.
@@ -54,6 +57,37 @@ def check_distributed_checkpoint(path: str | Path) -> None:
     for name, why in missing.items():
         if not (path / name).is_file():
             raise DamagedCheckpointError(f"{path}: a damaged distributed checkpoint: no {name} ({why})")
+    _check_shard_files(path)
+
+
+def _check_shard_files(path: Path) -> None:
+    """Every shard file the index names is there and long enough for the bytes the index says it holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        index = FileSystemReader(path).read_metadata()
+    except Exception as err:  # a pickle: anything may come of a damaged one
+        raise DamagedCheckpointError(
+            f"{path}: a damaged distributed checkpoint: its index {INDEX} cannot be read ({type(err).__name__}: {err})"
+        ) from err
+    needed: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        if name:
+            needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise DamagedCheckpointError(
+                f"{path}: a damaged distributed checkpoint: the shard file {name} that {INDEX} names is missing"
+            )
+        size = shard.stat().st_size
+        if size < end:
+            raise DamagedCheckpointError(
+                f"{path}: a damaged distributed checkpoint: the shard file {name} is cut short ({size} bytes, its"
+                f" index needs {end})"
+            )
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_determinism._process import distributed
 from lightning_determinism.checkpoints.atomic import write_atomically
+from lightning_determinism.checkpoints.distributed import INDEX, META, check_distributed_checkpoint
 from lightning_determinism.checkpoints.file import (
     DamagedCheckpointError,
     check_checkpoint_file,
@@ -223,6 +224,15 @@ class AtomicCheckpointIOMixin:
         self._ldet_base_checkpoint_io().__set__(self, io)
 
 
+def _looks_distributed(path: str) -> bool:
+    """A directory with any part of a distributed checkpoint: rank 0's ``meta.pt``, DCP's index or a shard."""
+    if not os.path.isdir(path):
+        return False
+    return any(os.path.exists(os.path.join(path, name)) for name in (META, INDEX)) or any(
+        name.endswith(".distcp") for name in os.listdir(path)
+    )
+
+
 def check_resume_path(strategy: Any, ckpt_path: Any) -> None:
     """The cheap check of a ``ckpt_path`` in the main process, before the ranks exist: one error instead of one a rank.
 
@@ -257,6 +267,12 @@ def check_resume_path(strategy: Any, ckpt_path: Any) -> None:
     try:
         io = strategy.checkpoint_io
     except (AttributeError, NotImplementedError):  # Fabric's FSDP has none
+        return
+    if local is not None and _looks_distributed(local):  # a distributed checkpoint (ModelParallelStrategy, FSDP)
+        try:
+            check_distributed_checkpoint(local)
+        except DamagedCheckpointError as err:
+            raise DamagedCheckpointError(f"`ckpt_path`: {err}") from None
         return
     if local is None or not isinstance(io, TorchCheckpointIO):
         return

@@ -172,8 +172,16 @@ def describe_distributed_checkpoint(path: Path) -> dict[str, Any]:
     weights and optimizer states.
 
     Raises:
-        _BadInput: if ``meta.pt`` cannot be read as a checkpoint.
+        _BadInput: if a file is missing or cut short (``meta.pt``, the index, a shard), or ``meta.pt`` cannot be read
+            as a checkpoint.
     """
+    from lightning_determinism.checkpoints.distributed import check_distributed_checkpoint
+    from lightning_determinism.checkpoints.file import DamagedCheckpointError
+
+    try:
+        check_distributed_checkpoint(path)  # a missing or cut shard, a missing index: said, not "nothing found"
+    except DamagedCheckpointError as err:
+        raise _BadInput(str(err)) from None
     description = describe_checkpoint(path / "meta.pt")
     description["kind"] = "Lightning distributed checkpoint (a directory: rank 0's meta.pt and the shards)"
     description.pop("parameters", None)  # the weights are in the shards, not in meta.pt

@@ -4,8 +4,9 @@ torch's checkpointing puts the default generators back for a recomputation, noth
 — the :class:`~lightning_determinism.seeding.rng.RNGStatesTracker`'s (``with get_rng_tracker().fork(): dropout(h)``,
 the tensor-parallel pattern) and the named :func:`~lightning_determinism.seeding.generators.generator` instances —
 register here as *owners*: a ``snapshot()`` of their state and a ``swap(state)`` that puts a state in and returns
-the one it replaced (a stream made after the snapshot — a first fork inside the block — starts again from its seed). When a checkpointed forward starts, every owner's snapshot is taken;
-each recomputation of that forward swaps the snapshots in and, after it, the states of the moment back. Without the
+the one it replaced (a stream made after the snapshot — a first fork inside the block — starts again from its
+seed). When a checkpointed forward starts, every owner's snapshot is taken; each recomputation of that forward swaps
+the snapshots in and, after it, the states of the moment back. Without the
 replay the recomputed dropout draws the next mask of its stream, and the gradients are those of a mask the forward
 never applied. The hook into torch is :mod:`lightning_determinism._compat.checkpointing`, installed by the first
 registration: the process-wide tracker and the named generators register when their modules are imported, so a

@@ -360,3 +360,31 @@ def test_the_check_before_the_launch_passes_what_it_cannot_judge(tmp_path):
     (tmp_path / "empty.ckpt").write_bytes(b"")
     with pytest.raises(DamagedCheckpointError, match="an empty file"):
         check_checkpoint_file(tmp_path / "empty.ckpt")
+
+
+@pytest.mark.parametrize("damage", ["a shard deleted", "a shard cut short", "the index deleted"])
+def test_a_damaged_distributed_checkpoint_is_refused_by_report_and_before_launch(tmp_path, damage, capsys):
+    from _lightning_determinism_cli import main
+    from lightning_determinism import DeterministicModelParallelStrategy
+    from lightning_determinism.checkpoints.file import DamagedCheckpointError
+    from lightning_determinism.checkpoints.io import check_resume_path
+    from tests.divergence.test_diagnose import _distributed_checkpoint
+
+    path = _distributed_checkpoint(tmp_path / "step=4.ckpt", 4, torch.ones(3, 2))
+    assert main(["report", str(path)]) == 0  # whole: reported
+    shard = next(path.glob("*.distcp"))
+    if damage == "a shard deleted":
+        shard.unlink()
+        expected = f"the shard file {shard.name} that .metadata names is missing"
+    elif damage == "a shard cut short":
+        shard.write_bytes(shard.read_bytes()[:-5])
+        expected = f"the shard file {shard.name} is cut short"
+    else:
+        (path / ".metadata").unlink()
+        expected = "no .metadata"
+    capsys.readouterr()
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    with pytest.raises(DamagedCheckpointError, match=f"`ckpt_path`: .*{re.escape(expected)}"):
+        check_resume_path(DeterministicModelParallelStrategy(), path)
