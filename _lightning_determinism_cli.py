@@ -24,6 +24,16 @@ PROG = "lightning-determinism"
 _DEFAULT_TOLERANCES = {"rtol": "0.0001", "atol": "1e-06"}
 
 
+def _version() -> str:
+    """The installed package's version, read without importing it (torch and Lightning)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning-determinism")
+    except PackageNotFoundError:  # pragma: no cover  (run from a checkout that was never installed)
+        return "unknown (not installed)"
+
+
 class UsageError(Exception):
     """A command line that cannot be used: printed as one line, exit status 2."""
 
@@ -51,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         0.0
     """
     parser = _Parser(prog=PROG, description="Check and compare the reproducibility of runs.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     report = sub.add_parser(
         "report", help="the flags, versions and seeds in effect here, or recorded in a checkpoint or baseline file"

@@ -49,6 +49,11 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BaselineFileError(f"{path}: not a baseline file (not JSON: {err})") from None
+    if isinstance(data, dict) and data.get("kind") == "divergence-probe":  # probe_file.KIND (not imported: a leaf)
+        raise BaselineFileError(
+            f"{path}: a DivergenceProbe file, not a NumericalBaseline one: `lightning-determinism diagnose A B` reads"
+            " probe files"
+        )
     version = data.get("format") if isinstance(data, dict) else None
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT:
         raise BaselineFileError(

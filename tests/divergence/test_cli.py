@@ -212,3 +212,22 @@ def test_report_reads_a_distributed_checkpoint_directory(tmp_path, capsys):
     (directory / "meta.pt").unlink()
     assert entry.main(["report", str(directory)]) == 2
     assert "is a directory, not a checkpoint or baseline file" in capsys.readouterr().err
+
+
+def test_version_answers_without_importing_the_package(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        entry.main(["--version"])
+    assert exit_info.value.code == 0
+    import lightning_determinism
+
+    assert capsys.readouterr().out.strip() == f"lightning-determinism {lightning_determinism.__version__}"
+
+
+def test_compare_given_a_probe_file_points_to_diagnose(tmp_path, capsys):
+    a, _ = _baselines(tmp_path)
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"format": 1, "kind": "divergence-probe", "steps": []}))
+    assert entry.main(["compare", str(a), str(probe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a DivergenceProbe file, not a NumericalBaseline one" in err[0]
+    assert "`lightning-determinism diagnose A B` reads probe files" in err[0]
