@@ -161,7 +161,9 @@ def compare_baselines(
 
     Returns:
         ``{"rows": [...], "first": {...} | None, "nonfinite": [{"step", "name", "a", "b"}, ...],
-        "compared": int}``. A row's ``max_abs``/``max_rel`` is NaN when a value on either side is NaN.
+        "compared": int}``. A row's ``max_abs``/``max_rel`` is NaN when a value on either side is NaN; ``max_rel``
+        (and ``max_rel_grad_norms``) leave out the pairs within ``atol`` of each other, which agree whatever their
+        relative difference.
 
     Raises:
         BaselineFileError: if the files hold different steps or parameter sets.
@@ -188,9 +190,13 @@ def compare_baselines(
         for name, x, y in quantities(step_a, step_b):
             compared += 1
             if x is not None and y is not None:
-                max_abs, max_rel = _worst(max_abs, _abs_diff(x, y)), _worst(max_rel, _rel(x, y))
+                gap = _abs_diff(x, y)
+                # The relative spread leaves out what `atol` excuses: two values near zero (a gradient that is
+                # mathematically zero) are far apart relatively and still agree.
+                rel = 0.0 if gap <= atol else _rel(x, y)
+                max_abs, max_rel = _worst(max_abs, gap), _worst(max_rel, rel)
                 if name.startswith("grad_norms["):
-                    max_rel_grad = _worst(max_rel_grad, _rel(x, y))
+                    max_rel_grad = _worst(max_rel_grad, rel)
                 if not (_finite(x) and _finite(y)):
                     nonfinite.append({"step": step_a.get("step"), "name": name, "a": x, "b": y})
             if first is None and differs(x, y, rtol, atol, nonfinite_equal):

@@ -231,3 +231,20 @@ def test_compare_given_a_probe_file_points_to_diagnose(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a DivergenceProbe file, not a NumericalBaseline one" in err[0]
     assert "`lightning-determinism diagnose A B` reads probe files" in err[0]
+
+
+def test_the_relative_spread_leaves_out_what_atol_excuses():
+    from lightning_determinism.divergence.baseline_file import compare_baselines
+
+    def step(loss, zero_grad):
+        return {"step": 0, "loss": loss, "grad_norm": 1.0, "grad_norms": {"w": 1.0, "z": zero_grad},
+                "param_norms": {"w": 2.0, "z": 1.0}}  # fmt: skip
+
+    a, b = {"steps": [step(1.0, 1e-9)]}, {"steps": [step(1.00002, 3e-9)]}  # "z": 0 up to rounding on both
+    out = compare_baselines(a, b, rtol=1e-4, atol=1e-6)
+    assert out["first"] is None
+    assert out["rows"][0]["max_rel"] == pytest.approx(2e-5, rel=1e-3)  # the loss's, not z's 0.67
+    assert out["rows"][0]["max_rel_grad_norms"] == 0.0
+    assert out["rows"][0]["max_abs"] == pytest.approx(2e-5, rel=1e-3)
+    strict = compare_baselines(a, b, rtol=1e-4, atol=0.0)  # nothing excused: z counts, and diverges
+    assert strict["rows"][0]["max_rel"] == pytest.approx(2 / 3) and strict["first"]["name"] == "grad_norms[z]"
