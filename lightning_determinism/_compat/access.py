@@ -66,6 +66,11 @@ def slurm_requeue(trainer: Any, signum: int) -> str:
     return path
 
 
+def model_parallel_sizes(strategy: Any) -> tuple[Any, Any]:
+    """``ModelParallelStrategy``'s ``data_parallel_size`` and ``tensor_parallel_size`` as given (``"auto"`` or ints)."""
+    return _private(strategy, "_data_parallel_size"), _private(strategy, "_tensor_parallel_size")
+
+
 def device_mesh_of(strategy: Any) -> Any:
     """The device mesh of a strategy that builds one (``ModelParallelStrategy``), ``None`` before or without."""
     return getattr(strategy, "_device_mesh", None)
@@ -201,6 +206,20 @@ def foreach_norms(tensors: list[Any]) -> list[Any]:
     return _private(torch, "_foreach_norm")(tensors, 2, dtype=torch.float64)  # type: ignore[no-any-return]
 
 
+def foreach_copy_(targets: list[Any], sources: list[Any]) -> None:
+    """Copy every source into its target (dtype converted) in one ``torch._foreach_copy_``."""
+    import torch
+
+    _private(torch, "_foreach_copy_")(targets, sources)
+
+
+def foreach_scale_(tensors: list[Any], factor: float) -> None:
+    """Multiply every tensor in place by ``factor`` in one ``torch._foreach_mul_`` (``clip_grad_norm_``'s)."""
+    import torch
+
+    _private(torch, "_foreach_mul_")(tensors, factor)
+
+
 def start_scope_profiler(cuda: bool = False, operators: bool = False) -> None:
     """Start torch's profiler for user scopes only; stop it with :func:`stop_scope_profiler`.
 
@@ -257,7 +276,9 @@ __all__ = [
     "dump_checkpoint",
     "fabric_inner_loader",
     "fabric_iterations",
+    "foreach_copy_",
     "foreach_norms",
+    "foreach_scale_",
     "is_strided_shard",
     "keep_dtensor_tracker_from_syncing",
     "keep_ignored_after_teardown",

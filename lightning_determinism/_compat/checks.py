@@ -213,6 +213,10 @@ PIECES: tuple[Piece, ...] = (
           "a preemption during validation is saved by rank 0 alone: trainer.save_checkpoint would wait in a barrier",
           _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.dump_checkpoint",
                   "self", "weights_only")),
+    Piece("lightning.pytorch.strategies.ModelParallelStrategy._data_parallel_size, ._tensor_parallel_size",
+          "the mesh sizes as given (\"auto\" or ints), checked against the devices before launch; no public accessor"
+          " before the mesh exists", _assigns(f"{_PL}.strategies.model_parallel:ModelParallelStrategy",
+                                             "_data_parallel_size", "_tensor_parallel_size")),
     # torch
     Piece("torch.utils.checkpoint.CheckpointFunction.forward(ctx, run_function, preserve_rng_state),"
           " _checkpoint_without_reentrant_generator(fn, preserve_rng_state) (also in"
@@ -250,6 +254,10 @@ PIECES: tuple[Piece, ...] = (
           "a baseline's norms of every gradient and parameter in one call (7 per-tensor calls cost 0.2 ms a step, most"
           " of the recorder's time); torch's own clip_grad_norm_ uses it, no public name takes a list",
           lambda: _exists("torch:_foreach_norm")() and _foreach_norm_takes_a_dtype()),
+    Piece("torch._foreach_copy_(targets, sources), torch._foreach_mul_(tensors, scalar)",
+          "world-size-invariant clipping copies every gradient into its float64 workspace and scales every gradient"
+          " in one call each, as torch's clip_grad_norm_ does; no public name takes a list",
+          lambda: _exists("torch:_foreach_copy_")() and _exists("torch:_foreach_mul_")()),
     Piece("torch.autograd._prepare_profiler, _enable_profiler(config, activities, scopes), _disable_profiler()"
           " (its events(): name(), duration_ns(), device_type()), torch._C._profiler.RecordScope.USER_SCOPE,"
           " torch.autograd._profiler_enabled()",

@@ -18,7 +18,7 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_determinism._compat.access import module_trainer
+from lightning_determinism._compat.access import model_parallel_sizes, module_trainer
 from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.strategies.launchers import replace_launcher
@@ -57,11 +57,10 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         self.start_method = start_method
         self._ldet_weights_stay_in_ranks = True  # sharded weights are not sent back to a fork/spawn main process
         super().__init__(*args, **kwargs)
-        for name in ("data_parallel_size", "tensor_parallel_size"):
-            size = getattr(self, f"_{name}")
+        for name, size in zip(("data_parallel_size", "tensor_parallel_size"), model_parallel_sizes(self), strict=True):
             if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
                 raise ValueError(f"`{name}` must be 'auto' or a positive int, got {size!r}")
-        self._ldet_check_invariant_mesh(self._tensor_parallel_size)
+        self._ldet_check_invariant_mesh(model_parallel_sizes(self)[1])
 
     def _ldet_check_invariant_mesh(self, tensor_parallel_size: Any) -> None:
         if self.invariant is not None and isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
@@ -74,11 +73,12 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
     def _ldet_check_mesh(self, world_size: int) -> None:
         """The mesh's sizes against the processes the Trainer will start, as Lightning resolves ``"auto"``."""
         devices = world_size // max(int(self.num_nodes), 1)
-        dp = self.num_nodes if self._data_parallel_size == "auto" else self._data_parallel_size
-        tp = devices if self._tensor_parallel_size == "auto" else self._tensor_parallel_size
+        given_dp, given_tp = model_parallel_sizes(self)
+        dp = self.num_nodes if given_dp == "auto" else given_dp
+        tp = devices if given_tp == "auto" else given_tp
         if dp * tp != world_size:
             raise ValueError(
-                f"`data_parallel_size={self._data_parallel_size}` x `tensor_parallel_size={self._tensor_parallel_size}`"
+                f"`data_parallel_size={given_dp}` x `tensor_parallel_size={given_tp}`"
                 f" (resolved: {dp} x {tp} = {dp * tp}) must equal the {world_size} processes the Trainer starts"
                 f" (devices={devices} x num_nodes={self.num_nodes})"
             )
