@@ -52,6 +52,7 @@ from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.strategies.arguments import check_keywords, invariant_training
 from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
 from lightning_determinism.strategies.fabric_state import FabricRNGState
+from lightning_determinism.strategies.invariant_clipping import clip_fabric_gradients_norm
 from lightning_determinism.strategies.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.strategies.seeding_steps import SeedingProperties, SeedingSteps
 
@@ -197,6 +198,14 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         if loop is not None:
             loop.after_optimizer_step()
         return result
+
+    @override
+    def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float, norm_type: float = 2.0,  # type: ignore[misc]
+                            error_if_nonfinite: bool = True) -> torch.Tensor:  # fmt: skip
+        if self._ldet_invariant is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)  # type: ignore[misc,no-any-return]
+        # The total norm summed exactly: the same bits on every world size (see strategies.invariant_clipping).
+        return clip_fabric_gradients_norm(self.precision, optimizer, max_norm, norm_type, error_if_nonfinite)  # type: ignore[attr-defined]
 
     def _ldet_hand_invariant(self, state: Any) -> None:
         """Give every ``FabricRNGState`` in ``state`` this strategy's invariant mode, which it saves or restores."""

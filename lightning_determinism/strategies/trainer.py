@@ -16,6 +16,7 @@ distributed metric over an evaluation set equals the single-process value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,6 +43,7 @@ from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.seeding.isolation import EvaluationIsolation
 from lightning_determinism.strategies.arguments import check_keywords, check_planned_world, invariant_training
+from lightning_determinism.strategies.invariant_clipping import clip_exactly
 from lightning_determinism.strategies.launchers import (
     adopt_parent_from_env,
     destroy_gloo_group_at_exit,
@@ -105,6 +107,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         self._ldet_eval_guard = UnevenEvalGuard()
         self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
         self._ldet_isolation = EvaluationIsolation(self._ldet_steps)  # evaluation never moves training's streams
+        self._ldet_restore_clipping: Callable[[], None] | None = None  # not a lambda: spawn pickles the strategy
         super().__init__(*args, **kwargs)
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
@@ -186,6 +189,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
             self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
             self.invariant.check_module(trainer.lightning_module)
         super().setup(trainer)  # type: ignore[misc]
+        if self.invariant is not None:  # the total norm of clipping summed exactly: the same bits on any sharding
+            self._ldet_restore_clipping = clip_exactly(self.precision_plugin)  # type: ignore[attr-defined]
         if self.invariant is not None and device_mesh_of(self) is not None:
             self._ldet_invariant_fsdp(trainer)
         self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]
@@ -231,6 +236,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
     @override
     def teardown(self) -> None:  # type: ignore[misc]
         super().teardown()  # type: ignore[misc]
+        if self._ldet_restore_clipping is not None:
+            self._ldet_restore_clipping()
+            self._ldet_restore_clipping = None
         self._ldet_steps.restore_env()
         self._ldet_padding_warning.remove()
         self._ldet_isolation.detach()
