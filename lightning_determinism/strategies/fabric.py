@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_determinism._compat.access import device_mesh_of, replace_backward_sync_control
+from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
@@ -202,7 +203,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     @override
     def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float, norm_type: float = 2.0,  # type: ignore[misc]
                             error_if_nonfinite: bool = True) -> torch.Tensor:  # fmt: skip
-        if self._ldet_invariant is None:
+        if self._ldet_invariant is None and device_mesh_of(self) is None:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)  # type: ignore[misc,no-any-return]
         # The total norm summed exactly: the same bits on every world size (see strategies.invariant_clipping).
         return clip_fabric_gradients_norm(self.precision, optimizer, max_norm, norm_type, error_if_nonfinite)  # type: ignore[attr-defined]
@@ -302,7 +303,17 @@ class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin,
     """
 
     @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Fabric's save; a distributed checkpoint directory is written hidden and published whole, as the Trainer's."""
+        if not self._save_distributed_checkpoint or args or any(v is not None for v in kwargs.values()):
+            super().save_checkpoint(path, state, *args, **kwargs)
+            return
+        save_published(self, path, lambda hidden: super(DeterministicFabricModelParallelStrategy, self)
+                       .save_checkpoint(hidden, state), None)  # fmt: skip
+
+    @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # weights_only: Lightning >= 2.6 only
+        check_before_load(path, self.global_rank)  # a torn or mixed directory: one line, before it is used
         stateful = {}
         if isinstance(state, dict):
             stateful = {key: obj for key, obj in state.items()

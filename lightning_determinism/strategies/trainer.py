@@ -189,7 +189,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
             self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
             self.invariant.check_module(trainer.lightning_module)
         super().setup(trainer)  # type: ignore[misc]
-        if self.invariant is not None:  # the total norm of clipping summed exactly: the same bits on any sharding
+        # The total norm of clipping summed exactly: the same bits on any sharding. Under a device mesh always: torch's
+        # norm of tensor-parallel and FSDP2 gradients on two meshes fails outright, and sums shards in their order.
+        if self.invariant is not None or device_mesh_of(self) is not None:
             self._ldet_restore_clipping = clip_exactly(self.precision_plugin)  # type: ignore[attr-defined]
         if self.invariant is not None and device_mesh_of(self) is not None:
             self._ldet_invariant_fsdp(trainer)

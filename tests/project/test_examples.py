@@ -13,6 +13,7 @@ from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm.py"
 FABRIC_EXAMPLE = EXAMPLE.parent / "fabric_tiny_lm.py"
+RECIPE_EXAMPLE = EXAMPLE.parent / "llm_recipe.py"
 
 
 def _start(*args: str, example: Path = EXAMPLE) -> warm.Process:
@@ -122,7 +123,17 @@ def resume_demos():
     # Fabric example's launch() starts popen ranks.
     trainer = _start("--resume", "--epochs", "2", *SMALL, *FORK)
     fabric = _start("--resume", "--epochs", "2", *SMALL, example=FABRIC_EXAMPLE)
-    return {"trainer": _finish(trainer), "fabric": _finish(fabric)}
+    recipe = _start("--resume", "--epochs", "1", example=RECIPE_EXAMPLE)
+    return {"trainer": _finish(trainer), "fabric": _finish(fabric), "recipe": _finish(recipe)}
+
+
+@pytest.mark.distributed
+def test_the_llm_recipe_resumes_mid_epoch_to_the_uninterrupted_fingerprint(resume_demos):
+    # tensor parallel -> activation checkpointing -> compile -> FSDP2, bf16, clipping, on 2 processes
+    out = resume_demos["recipe"]
+    assert "data_parallel=0 tensor_parallel=1" in out
+    prints = re.findall(r"^fingerprint ([0-9a-f]{16})$", out, re.M)
+    assert len(prints) == 3 and prints[0] == prints[2] != prints[1]  # straight, stopped half-way, resumed
 
 
 @pytest.mark.distributed
