@@ -59,6 +59,18 @@ def test_activation_checkpointing_with_the_trackers_dropout_trains_the_same_bits
         assert a["final"] == b["final"]
 
 
+def test_the_probe_under_tensor_parallel_records_the_one_process_start(runs):
+    # DivergenceProbe on the tp=2 run (its RowwiseParallel outputs are AsyncCollectiveTensors): it finishes, the
+    # trained weights are those of the run without it, and the parameters before the first recorded step are the
+    # one-process model's, digest for digest (whole tensors, not rank 0's shards)
+    root = runs[0] / "tp2"
+    probe = json.loads((root / "again" / "probe.json").read_text())
+    assert [step["step"] for step in probe["steps"]] == [0, 1, 2] and probe["world_size"] == 2
+    before = {name.removeprefix("model."): rec["digest"] for name, rec in probe["steps"][0]["before"]["params"].items()}
+    assert before == json.loads((root / "one_process.json").read_text())["params"]
+    assert ranks(runs[0], "tp2", "again")[0]["final"] == ranks(runs[0], "tp2")[0]["final"]
+
+
 def test_data_parallel_ranks_draw_their_own_masks(runs):
     steps = at(ranks(runs[0], "dp2tp2"), 3)
     replicas = [steps[0], steps[2]]  # data_parallel coordinates 0 and 1, tensor_parallel 0

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_determinism import (  # noqa: E402
     DeterministicModelParallelStrategy,
+    DivergenceProbe,
     PreemptionCheckpoint,
     ReplicaGuard,
     get_rng_tracker,
@@ -148,7 +149,7 @@ class OldRule(DeterministicModelParallelStrategy):
 
 def fit(
     out: Path, dp: int, tp: int, ckpt: Path | None = None, every_step: bool = True, preempt_at: int | None = None,
-    checkpointed: bool = False,
+    checkpointed: bool = False, probe: bool = False,
 ) -> None:  # fmt: skip
     global CHECKPOINTED
     CHECKPOINTED = checkpointed
@@ -161,6 +162,8 @@ def fit(
     callbacks.append(ReplicaGuard(every_n_train_steps=1))  # every step: a drift is caught at once
     if preempt_at is not None:
         callbacks.append(PreemptionCheckpoint(dirpath=out))
+    if probe:  # the module outputs of a RowwiseParallel layer are AsyncCollectiveTensors: digested, never a crash
+        callbacks.append(DivergenceProbe(out / "probe.json", steps=3))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * tp, max_epochs=2, callbacks=callbacks,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -172,9 +175,12 @@ def fit(
 
 
 def one_process(out: Path) -> None:
+    from lightning_determinism.divergence.diagnosis.digest import digest as probe_digest
+
     torch.manual_seed(SEED)  # what configure_model runs under: the base seed
     model = TPNet()
-    (out / "one_process.json").write_text(json.dumps({"start": digest(gathered(model))}))
+    params = {name: probe_digest(p.detach()) for name, p in model.named_parameters()}  # as the probe records them
+    (out / "one_process.json").write_text(json.dumps({"start": digest(gathered(model)), "params": params}))
 
 
 if __name__ == "__main__":
@@ -187,7 +193,7 @@ if __name__ == "__main__":
         if config.get("checkpointed"):
             fit(root / "checkpointed", config["dp"], config["tp"], every_step=False, checkpointed=True)
         if config.get("twice"):
-            fit(root / "again", config["dp"], config["tp"], every_step=False)
+            fit(root / "again", config["dp"], config["tp"], every_step=False, probe=True)
         for k, dp, tp in config.get("elastic", []):  # another data-parallel size: DCP reshards, the rest is dealt
             fit(root / f"elastic{k}-{dp}x{tp}", dp, tp, ckpt=root / "straight" / f"step={k}.ckpt", every_step=False)
         for k in config.get("preempt", []):  # SIGTERM in step k: PreemptionCheckpoint writes a distributed one
