@@ -19,6 +19,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 
 from lightning_determinism.parallel import dtensor_random
@@ -80,9 +81,10 @@ class SeedingSteps:
         self._source = ""
         # What this process's environment held before the strategy touched it; restore_env() puts it back.
         self.saved_env: dict[str, str | None] = {CUBLAS_ENV: os.environ.get(CUBLAS_ENV)}
-        if self.debug_mode in (1, 2):
+        if self.debug_mode in (1, 2) and torch.cuda.is_available():
             # cuBLAS reads this when its first handle is created; Lightning initialises CUDA before
-            # setup_environment, so set it now (child processes inherit it) rather than warn there.
+            # setup_environment, so set it now (child processes inherit it) rather than warn there. Without CUDA
+            # nothing reads it: the user's process is left as it is until a rank sets its flags (restored at the end).
             set_cublas_workspace()
 
     @property

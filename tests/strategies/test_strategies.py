@@ -173,9 +173,13 @@ def test_fsdp_on_gpu_seeds_and_flags(tmp_path):
     assert n >= 1
 
 
-def test_cublas_workspace_is_set_when_the_strategy_is_built(monkeypatch):
+def test_cublas_workspace_is_set_when_the_strategy_is_built_where_cuda_is(monkeypatch):
     # Lightning initialises CUDA before setup_environment; the variable must already be there by then.
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    DeterministicDDPStrategy(debug_mode="error")  # no CUDA: the user's process is left alone
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     DeterministicDDPStrategy(debug_mode=None)
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     DeterministicDDPStrategy(debug_mode="warn")
