@@ -7,8 +7,9 @@ check could only see in an ``__init__``'s code).
 
 from __future__ import annotations
 
+import contextlib
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_determinism._compat.checks import FabricDataLoader, _message
@@ -220,6 +221,38 @@ def foreach_scale_(tensors: list[Any], factor: float) -> None:
     _private(torch, "_foreach_mul_")(tensors, factor)
 
 
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether a ``ModelParallelStrategy`` (Lightning's or Fabric's) saves a DCP directory, not one file."""
+    return bool(_private(strategy, "_save_distributed_checkpoint"))
+
+
+_DCP_SAVERS = ("lightning.pytorch.strategies.model_parallel", "lightning.fabric.strategies.model_parallel")
+
+
+@contextlib.contextmanager
+def extra_distributed_entries(entries: dict[str, Any]) -> Iterator[None]:
+    """While open, the DCP saves of Lightning's and Fabric's ``ModelParallelStrategy`` add ``entries`` to the state.
+
+    Both build the state they hand ``_distributed_checkpoint_save(state, path)`` inside ``save_checkpoint``; no
+    argument adds to it. The entries land in this rank's shard file (each rank its own keys).
+    """
+    import importlib
+
+    modules = [importlib.import_module(name) for name in _DCP_SAVERS]
+    originals = [_private(module, "_distributed_checkpoint_save") for module in modules]
+    for module, original in zip(modules, originals, strict=True):
+
+        def save(state: dict[str, Any], path: Any, _original: Any = original) -> None:
+            _original({**state, **entries}, path)
+
+        module._distributed_checkpoint_save = save  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module._distributed_checkpoint_save = original  # type: ignore[attr-defined]
+
+
 def start_scope_profiler(cuda: bool = False, operators: bool = False) -> None:
     """Start torch's profiler for user scopes only; stop it with :func:`stop_scope_profiler`.
 
@@ -274,6 +307,7 @@ __all__ = [
     "dtensor_op_handlers",
     "dtensor_random_ops",
     "dump_checkpoint",
+    "extra_distributed_entries",
     "fabric_inner_loader",
     "fabric_iterations",
     "foreach_copy_",
@@ -290,6 +324,7 @@ __all__ = [
     "start_scope_profiler",
     "stop_scope_profiler",
     "replace_backward_sync_control",
+    "saves_distributed_checkpoint",
     "set_fabric_iterations",
     "should_accumulate",
     "slurm_requeue",

@@ -258,6 +258,14 @@ PIECES: tuple[Piece, ...] = (
           "world-size-invariant clipping copies every gradient into its float64 workspace and scales every gradient"
           " in one call each, as torch's clip_grad_norm_ does; no public name takes a list",
           lambda: _exists("torch:_foreach_copy_")() and _exists("torch:_foreach_mul_")()),
+    Piece("lightning.{pytorch,fabric}.strategies.model_parallel._distributed_checkpoint_save(state, path),"
+          " ModelParallelStrategy._save_distributed_checkpoint",
+          "a distributed save marks every rank's shard file with its token (the directory's parts are checked to"
+          " belong together before a resume); ModelParallelStrategy.save_checkpoint builds the state itself",
+          lambda: _exists(f"{_PL}.strategies.model_parallel:_distributed_checkpoint_save", "converted_state", "path")()
+          and _exists("lightning.fabric.strategies.model_parallel:_distributed_checkpoint_save")()
+          and _assigns(f"{_PL}.strategies:ModelParallelStrategy", "_save_distributed_checkpoint")()
+          and _assigns("lightning.fabric.strategies:ModelParallelStrategy", "_save_distributed_checkpoint")()),
     Piece("torch.autograd._prepare_profiler, _enable_profiler(config, activities, scopes), _disable_profiler()"
           " (its events(): name(), duration_ns(), device_type()), torch._C._profiler.RecordScope.USER_SCOPE,"
           " torch.autograd._profiler_enabled()",

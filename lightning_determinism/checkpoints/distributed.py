@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lightning_determinism.checkpoints.file import DamagedCheckpointError, load_failure_message
+from lightning_determinism.checkpoints.publish import SHARD_MARK, check_save_parts
 
 META = "meta.pt"  # Lightning's _METADATA_FILENAME: rank 0's part of the checkpoint
 INDEX = ".metadata"  # DCP's index of the shards
@@ -35,9 +36,10 @@ def check_distributed_checkpoint(path: str | Path) -> None:
 
     Rank 0's ``meta.pt`` and DCP's ``.metadata`` exist, and every shard file the index names exists and holds at
     least the bytes the index places in it (a deleted or truncated shard is found here, not by each rank's load).
+    Where the save marked its parts (:mod:`~lightning_determinism.checkpoints.publish`), they belong to one save.
 
     Raises:
-        DamagedCheckpointError: naming the directory and the missing file.
+        DamagedCheckpointError: naming the directory and the missing file, or the part of another save.
 
     Examples:
         >>> import tempfile
@@ -88,6 +90,7 @@ def _check_shard_files(path: Path) -> None:
                 f"{path}: a damaged distributed checkpoint: the shard file {name} is cut short ({size} bytes, its"
                 f" index needs {end})"
             )
+    check_save_parts(path, index)  # shards, index and meta.pt of one save, not of two
 
 
 @functools.cache
@@ -237,7 +240,7 @@ def load_distributed_checkpoint(path: str | Path) -> dict[str, Any]:
     checkpoint["state_dict"] = shards.pop("model", {}) if weights is None else weights
     optimizers = sorted((int(m.group(1)), key) for key in shards if (m := _OPTIMIZER.fullmatch(str(key))))
     checkpoint["optimizer_states"] = [shards.pop(key) for _, key in optimizers]
-    checkpoint.update(shards)
+    checkpoint.update({key: value for key, value in shards.items() if not str(key).startswith(SHARD_MARK)})
     return checkpoint
 
 

@@ -23,6 +23,7 @@ as they are.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,8 @@ from lightning_determinism.checkpoints.file import (
     verify_checksums,
 )
 from lightning_determinism.checkpoints.integrity import verify_digest, with_digest
+from lightning_determinism.checkpoints.publish import finish_interrupted_publish, finish_interrupted_publishes
+from lightning_determinism.errors import DeterminismWarning
 
 DIGEST_BY_DEFAULT = False
 """Whether :class:`AtomicCheckpointIO` records a digest unless told: it costs more than a tenth of a save and of a load
@@ -233,6 +236,25 @@ def _looks_distributed(path: str) -> bool:
     )
 
 
+def _finish_publish(path: str) -> None:
+    message = finish_interrupted_publish(path)
+    if message is not None:
+        warnings.warn(message, DeterminismWarning, stacklevel=3)
+
+
+def finish_interrupted_publishes_of(trainer: Any) -> None:
+    """Before a resume from ``"last"``: settle the distributed saves a kill cut short in every checkpoint directory.
+
+    Only where the final name went missing between the two renames of a publish
+    (:func:`~lightning_determinism.checkpoints.publish.finish_interrupted_publish`); each one is said in a warning.
+    """
+    for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+        directory = local_path(getattr(callback, "dirpath", None) or "")
+        if directory and os.path.isdir(directory):
+            for message in finish_interrupted_publishes(directory):
+                warnings.warn(message, DeterminismWarning, stacklevel=2)
+
+
 def check_resume_path(strategy: Any, ckpt_path: Any) -> None:
     """The cheap check of a ``ckpt_path`` in the main process, before the ranks exist: one error instead of one a rank.
 
@@ -268,6 +290,8 @@ def check_resume_path(strategy: Any, ckpt_path: Any) -> None:
         io = strategy.checkpoint_io
     except (AttributeError, NotImplementedError):  # Fabric's FSDP has none
         return
+    if local is not None and not os.path.lexists(local):
+        _finish_publish(local)  # a kill between the two renames of a distributed save: the complete one put in place
     if local is not None and _looks_distributed(local):  # a distributed checkpoint (ModelParallelStrategy, FSDP)
         try:
             check_distributed_checkpoint(local)
@@ -289,5 +313,6 @@ __all__ = [
     "AtomicCheckpointIO",
     "AtomicCheckpointIOMixin",
     "check_resume_path",
+    "finish_interrupted_publishes_of",
     "local_path",
 ]

@@ -40,7 +40,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_determinism._compat.access import device_mesh_of, replace_backward_sync_control
+from lightning_determinism._compat.access import (
+    device_mesh_of,
+    replace_backward_sync_control,
+    saves_distributed_checkpoint,
+)
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
@@ -305,7 +309,7 @@ class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin,
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         """Fabric's save; a distributed checkpoint directory is written hidden and published whole, as the Trainer's."""
-        if not self._save_distributed_checkpoint or args or any(v is not None for v in kwargs.values()):
+        if not saves_distributed_checkpoint(self) or args or any(v is not None for v in kwargs.values()):
             super().save_checkpoint(path, state, *args, **kwargs)
             return
         save_published(self, path, lambda hidden: super(DeterministicFabricModelParallelStrategy, self)

@@ -38,7 +38,7 @@ from lightning_determinism._compat.checks import (
     suggested_max_num_threads,
 )
 from lightning_determinism._process import die_with_parent
-from lightning_determinism.checkpoints.io import check_resume_path
+from lightning_determinism.checkpoints.io import check_resume_path, finish_interrupted_publishes_of
 from lightning_determinism.errors import DeterminismWarning
 
 PARENT_PID_ENV = "LDET_LAUNCHER_PID"
@@ -212,6 +212,8 @@ def check_before_launch(
         except (TypeError, ValueError):  # not a function of the Trainer's: nothing to look for
             return
         check_resume_path(strategy, bound.get("ckpt_path"))
+        if bound.get("ckpt_path") == "last":  # before the ranks look for the newest last*.ckpt
+            finish_interrupted_publishes_of(trainer)
 
 
 def adopt_parent_from_env() -> None:

@@ -8,7 +8,8 @@ parameters drift apart. This strategy seeds by the mesh (:mod:`~lightning_determ
 built under the base seed on every rank; the default streams are shared by tensor-parallel peers and distinct across
 data-parallel ranks; ``get_rng_tracker().fork()`` gives every (data-parallel, tensor-parallel) coordinate its own
 stream for draws on a shard; every rank computes with the same number of intra-op threads. Checkpoints (Lightning's
-distributed checkpoint directories) carry every rank's RNG state and data position, restored on resume.
+distributed checkpoint directories) carry every rank's RNG state and data position, restored on resume; they are
+written under a hidden name and published whole (:mod:`~lightning_determinism.checkpoints.publish`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_determinism._compat.access import model_parallel_sizes, module_trainer
+from lightning_determinism._compat.access import model_parallel_sizes, module_trainer, saves_distributed_checkpoint
 from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
+from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.strategies.launchers import replace_launcher
 from lightning_determinism.strategies.trainer import DeterministicStrategyMixin
 
@@ -90,6 +92,25 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         trainer = module_trainer(self.lightning_module)
         if trainer is not None and not any(isinstance(cb, ReplicaGuard) for cb in trainer.callbacks):
             trainer.callbacks.append(ReplicaGuard())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save; a distributed checkpoint directory is written hidden and published whole.
+
+        See :mod:`~lightning_determinism.checkpoints.publish`: a kill never leaves a torn directory under the final
+        name (``last.ckpt/`` rewritten at every save), and the parts carry marks checked before a resume.
+        """
+        if not saves_distributed_checkpoint(self) or storage_options is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        step = checkpoint.get("global_step")
+        save_published(self, filepath, lambda hidden: super(DeterministicModelParallelStrategy, self)
+                       .save_checkpoint(checkpoint, hidden), step if isinstance(step, int) else None)  # fmt: skip
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        check_before_load(checkpoint_path, self.global_rank)  # a torn or mixed directory: one line, before training
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[no-any-return]
 
     @override
     def _configure_launcher(self) -> None:
