@@ -151,7 +151,8 @@ def test_without_the_replay_the_recomputed_masks_differ(form):
     assert any(not torch.equal(grads[0][name], reference[0][0][name]) for name in grads[0])
 
 
-def test_preserve_rng_state_false_replays_nothing_as_torch_replays_nothing():
+def _masked():
+    """A function whose mask comes from the tracker's default stream, and the list of every mask it drew."""
     tracker = get_rng_tracker()
     tracker.add(DEFAULT_STREAM, 7)
     drawn = []
@@ -161,6 +162,11 @@ def test_preserve_rng_state_false_replays_nothing_as_torch_replays_nothing():
             drawn.append(torch.rand(4))
         return x * drawn[-1]
 
+    return masked, drawn
+
+
+def test_preserve_rng_state_false_replays_nothing_as_torch_replays_nothing():
+    masked, drawn = _masked()
     x = torch.ones(4, requires_grad=True)
     checkpoint(masked, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
     assert not torch.equal(drawn[0], drawn[1])  # the recomputation went on with the stream
@@ -169,15 +175,7 @@ def test_preserve_rng_state_false_replays_nothing_as_torch_replays_nothing():
 
 
 def test_a_second_backward_through_a_retained_graph_replays_again():
-    tracker = get_rng_tracker()
-    tracker.add(DEFAULT_STREAM, 7)
-    drawn = []
-
-    def masked(x):
-        with tracker.fork():
-            drawn.append(torch.rand(4))
-        return x * drawn[-1]
-
+    masked, drawn = _masked()
     x = torch.ones(4, requires_grad=True)
     y = checkpoint(masked, x, use_reentrant=False).sum()
     y.backward(retain_graph=True)
