@@ -120,6 +120,8 @@ class _Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # else an unclosed-file ResourceWarning at exit, after pytest's summary line
         shutil.rmtree(self.files, ignore_errors=True)
 
 
