@@ -229,7 +229,7 @@ def _link_as_last(trainer: pl.Trainer, path: Path, barrier: bool = True) -> None
             ):
                 continue  # it is found as it is
             link.parent.mkdir(parents=True, exist_ok=True)
-            temporary = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+            temporary = link.with_name(f".{link.name.replace('_', '-')}.{os.getpid()}.tmp")  # no "ckpt_": see atomic
             try:
                 temporary.unlink(missing_ok=True)
                 temporary.symlink_to(os.path.relpath(path, link.parent))

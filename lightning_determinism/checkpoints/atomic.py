@@ -42,7 +42,10 @@ def temporary_name(name: str) -> str:
         >>> temporary_name("step=4.ckpt").endswith(".tmp")
         True
     """
-    return f".{name[:_NAME_ROOM]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # "_" spelt "-": Lightning takes every file whose name holds "ckpt_" (or "hpc_ckpt_") for a numbered HPC checkpoint
+    # and reads the digits of the rest as its version, so a leftover .hpc_ckpt_1.ckpt.<pid>.<hex>.tmp would become
+    # version 11489768452 and every later auto-resume would look for a file that does not exist.
+    return f".{name[:_NAME_ROOM].replace('_', '-')}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], object]) -> None:

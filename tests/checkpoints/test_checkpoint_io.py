@@ -388,3 +388,18 @@ def test_a_damaged_distributed_checkpoint_is_refused_by_report_and_before_launch
     assert len(err) == 1 and expected in err[0], err
     with pytest.raises(DamagedCheckpointError, match=f"`ckpt_path`: .*{re.escape(expected)}"):
         check_resume_path(DeterministicModelParallelStrategy(), path)
+
+
+def test_a_save_killed_midway_leaves_no_file_lightnings_hpc_numbering_reads_as_a_version(tmp_path):
+    # SLURM's SIGUSR1 path saves hpc_ckpt_N.ckpt; a SIGKILL during the save leaves the hidden temporary behind.
+    # Lightning reads the digits of every name holding "hpc_ckpt_" (resume) or "ckpt_" (the next save's number) as a
+    # version.
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from lightning_determinism.checkpoints.atomic import temporary_name
+
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"whole")
+    (tmp_path / temporary_name("hpc_ckpt_2.ckpt")).write_bytes(b"cut short")  # what the kill leaves
+    versions = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder  # Lightning's own parser
+    assert versions(tmp_path, "hpc_ckpt_") == 1  # the auto-resume loads hpc_ckpt_1.ckpt
+    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")  # and saves the next
