@@ -10,9 +10,12 @@ leaves through ``SystemExit``: teardown runs, no traceback is printed, the proce
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -34,6 +37,8 @@ from lightning_determinism._compat.access import (
 )
 from lightning_determinism.callbacks._evaluation_stop import EvaluationStop
 from lightning_determinism.errors import DeterminismWarning
+
+log = logging.getLogger("lightning_determinism.callbacks")
 
 
 class PreemptionCheckpoint(Callback):
@@ -168,6 +173,8 @@ class PreemptionCheckpoint(Callback):
                 f"Preempted by signal {signum} during validation: the training state at step {trainer.global_step}"
                 f" written to {self.path} (the validation pass runs again after the resume)."
             )
+        if self._requeue and signum == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue_slurm_job()  # Lightning requeues only from its own handler, which saves with every rank
         self._exit(trainer, signum)
 
     @override
@@ -181,8 +188,10 @@ class PreemptionCheckpoint(Callback):
             return
         self.preempted = True
         if self._requeue and signum == signal.SIGUSR1:
-            # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job.
+            # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job. Linked as
+            # "last" too: a requeued job started with fit(ckpt_path="last") resumes it, not an older last.ckpt.
             self.path = Path(slurm_requeue(trainer, signum))
+            _link_as_last(trainer, self.path)
         else:
             self.path = self._target(trainer)
             trainer.save_checkpoint(self.path, weights_only=False)  # every rank takes part; rank 0 writes
@@ -238,6 +247,27 @@ def _link_as_last(trainer: pl.Trainer, path: Path, barrier: bool = True) -> None
             os.replace(temporary, link)
     if barrier:
         trainer.strategy.barrier("ldet-preemption-link")
+
+
+def requeue_slurm_job() -> int:
+    """``scontrol requeue`` this SLURM job (an array task as ``ARRAYID_TASKID``), as Lightning's SIGUSR1 handler does.
+
+    Returns:
+        ``scontrol``'s exit status (a failure is logged as a warning, as Lightning logs it).
+    """
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    if not re.fullmatch(r"[0-9_-]+", job):
+        raise RuntimeError(f"the SLURM job id to requeue must be digits (an array task: ID_TASK), got {job!r}")
+    try:
+        result = subprocess.call(["scontrol", "requeue", job])
+    except FileNotFoundError:
+        result = 127
+    if result == 0:
+        rank_zero_info(f"Requeued SLURM job {job}.")
+    else:
+        log.warning(f"Requeuing SLURM job {job} failed with exit status {result}")
+    return result
 
 
 def _agree(signum: int, trainer: pl.Trainer) -> int:

@@ -23,9 +23,10 @@ class _SignalAt(RecordingModule):
         return super().training_step(batch, batch_idx)
 
 
-def _fit(tmp_path, module, **kwargs):
+def _fit(tmp_path, module, callbacks=(), **kwargs):
     callback = PreemptionCheckpoint(tmp_path)
-    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=2, callbacks=[callback], **kwargs)
+    strategy = DeterministicSingleDeviceStrategy(seed=3)
+    trainer = quiet_trainer(strategy, 1, max_epochs=2, callbacks=[callback, *callbacks], **kwargs)
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as stop:
@@ -96,3 +97,58 @@ def test_it_pickles_without_its_handlers():
     callback = PreemptionCheckpoint("x")
     callback._previous = {signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
     assert pickle.loads(pickle.dumps(callback))._previous == {}
+
+
+_SLURM = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "SLURM_NODELIST": "n1",
+          "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """SLURM as Lightning reads it, with an ``scontrol`` on the PATH that logs its arguments."""
+    for key, value in _SLURM.items():
+        monkeypatch.setenv(key, value)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol-calls.txt"
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+class _SignalInValidation(RecordingModule):
+    """Sends itself ``signum`` in the first validation step (not the sanity check's)."""
+
+    def __init__(self, out_dir, signum):
+        super().__init__(out_dir, n=24, record_draws=False)
+        self.signum = signum
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0 and not self.trainer.sanity_checking:
+            os.kill(os.getpid(), self.signum)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_sigusr1_under_slurm_links_lightnings_hpc_checkpoint_as_last_and_requeues(tmp_path, fake_scontrol):
+    # The real Lightning handler (its save, its scontrol call) at the step boundary; fit(ckpt_path="last") then finds
+    # the HPC checkpoint just written, not an older last.ckpt.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, every_n_train_steps=1)
+    callback, trainer, code = _fit(tmp_path, _SignalAt(str(tmp_path), signal.SIGUSR1, at=1), default_root_dir=tmp_path,
+                                   enable_checkpointing=True, callbacks=[checkpoints])  # fmt: skip
+    assert code == 0 and fake_scontrol.read_text().split() == ["requeue", "7"]
+    link = tmp_path / "ckpts" / "last-preempted.ckpt"
+    assert callback.path.name == "hpc_ckpt_1.ckpt" and link.resolve() == callback.path.resolve()
+    assert torch.load(link, weights_only=True)["global_step"] == 2
+
+
+def test_sigusr1_during_validation_under_slurm_saves_and_requeues_the_job(tmp_path, fake_scontrol):
+    module = _SignalInValidation(str(tmp_path), signal.SIGUSR1)
+    callback, trainer, code = _fit(tmp_path, module, default_root_dir=tmp_path, val_check_interval=2)
+    assert code == 0 and callback.path == tmp_path / "preempted.ckpt" and callback.path.exists()
+    assert fake_scontrol.read_text().split() == ["requeue", "7"]  # the job comes back instead of just ending
