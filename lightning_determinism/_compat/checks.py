@@ -213,10 +213,13 @@ PIECES: tuple[Piece, ...] = (
           "a preemption during validation is saved by rank 0 alone: trainer.save_checkpoint would wait in a barrier",
           _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.dump_checkpoint",
                   "self", "weights_only")),
-    Piece("lightning.pytorch.strategies.ModelParallelStrategy._data_parallel_size, ._tensor_parallel_size",
-          "the mesh sizes as given (\"auto\" or ints), checked against the devices before launch; no public accessor"
-          " before the mesh exists", _assigns(f"{_PL}.strategies.model_parallel:ModelParallelStrategy",
-                                             "_data_parallel_size", "_tensor_parallel_size")),
+    Piece("lightning.pytorch.strategies.ModelParallelStrategy._data_parallel_size, ._tensor_parallel_size (and"
+          " Fabric's)", "the mesh sizes as given (\"auto\" or ints), checked against the devices before launch; no"
+          " public accessor before the mesh exists",
+          lambda: _assigns(f"{_PL}.strategies.model_parallel:ModelParallelStrategy", "_data_parallel_size",
+                           "_tensor_parallel_size")()
+          and _assigns("lightning.fabric.strategies.model_parallel:ModelParallelStrategy", "_data_parallel_size",
+                       "_tensor_parallel_size")()),
     # torch
     Piece("torch.utils.checkpoint.CheckpointFunction.forward(ctx, run_function, preserve_rng_state),"
           " _checkpoint_without_reentrant_generator(fn, preserve_rng_state) (also in"

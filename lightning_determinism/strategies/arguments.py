@@ -131,4 +131,43 @@ def check_planned_world(steps: Any, world_size: int) -> None:
             ) from None
 
 
-__all__ = ["accepted_keywords", "check_keywords", "check_planned_world"]
+def check_mesh_sizes(sizes: tuple[Any, Any], num_nodes: int, world_size: int | None, invariant: bool) -> None:
+    """``(data_parallel_size, tensor_parallel_size)`` as given to a ``ModelParallelStrategy``, checked before launch.
+
+    Each is ``"auto"`` or a positive int; the invariant mode needs ``tensor_parallel_size=1``; with ``world_size`` (the
+    processes the launcher will start) the sizes, ``"auto"`` resolved as Lightning resolves it, must multiply to it.
+
+    Raises:
+        ValueError: naming the argument, the expected value and the one received.
+
+    Examples:
+        >>> check_mesh_sizes(("auto", 2), num_nodes=1, world_size=2, invariant=False)
+        >>> check_mesh_sizes((1, 3), num_nodes=1, world_size=2, invariant=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: `data_parallel_size=1` x `tensor_parallel_size=3` (resolved: 1 x 3 = 3) must equal the 2 processes the launcher starts (devices=2 x num_nodes=1)
+    """  # noqa: E501
+    for name, size in zip(("data_parallel_size", "tensor_parallel_size"), sizes, strict=True):
+        if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"`{name}` must be 'auto' or a positive int, got {size!r}")
+    given_dp, given_tp = sizes
+    tp = given_tp
+    if world_size is not None:
+        devices = world_size // max(int(num_nodes), 1)
+        dp = num_nodes if given_dp == "auto" else given_dp
+        tp = devices if given_tp == "auto" else given_tp
+        if dp * tp != world_size:
+            raise ValueError(
+                f"`data_parallel_size={given_dp}` x `tensor_parallel_size={given_tp}` (resolved: {dp} x {tp} ="
+                f" {dp * tp}) must equal the {world_size} processes the launcher starts (devices={devices} x"
+                f" num_nodes={num_nodes})"
+            )
+    if invariant and isinstance(tp, int) and tp > 1:
+        raise ValueError(
+            "world-size-invariant training (`global_batch_size`, `micro_batch_size`) runs on FSDP2 over data-parallel"
+            f" ranks: it needs `tensor_parallel_size=1`, got {tp} (a tensor-parallel rank's micro-batches are not its"
+            " own)"
+        )
+
+
+__all__ = ["accepted_keywords", "check_keywords", "check_mesh_sizes", "check_planned_world"]

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_determinism._compat.access import (
     device_mesh_of,
+    model_parallel_sizes,
     replace_backward_sync_control,
     saves_distributed_checkpoint,
 )
@@ -54,7 +55,7 @@ from lightning_determinism.invariance.invariant import describe, keep_local_grad
 from lightning_determinism.invariance.tree import PairwiseAllReduce
 from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
-from lightning_determinism.strategies.arguments import check_keywords, invariant_training
+from lightning_determinism.strategies.arguments import check_keywords, check_mesh_sizes, invariant_training
 from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
 from lightning_determinism.strategies.fabric_state import FabricRNGState
 from lightning_determinism.strategies.invariant_clipping import clip_fabric_gradients_norm
@@ -304,7 +305,21 @@ class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin,
     ``fabric.load`` of a distributed checkpoint restores stateful objects (``FabricRNGState``) as Fabric's other
     strategies do: Fabric's ``ModelParallelStrategy`` put the saved dict in their place in ``state`` instead, so the
     RNG streams were silently not restored and a resumed loop drew other numbers.
+
+    Mesh mistakes are refused as the Trainer's strategy refuses them, in one line before launch (see
+    :func:`~lightning_determinism.strategies.arguments.check_mesh_sizes`).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_mesh_sizes(model_parallel_sizes(self), 1, None, self._ldet_invariant is not None)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        devices = len(self.parallel_devices) if self.parallel_devices else 1
+        world_size = int(self.num_nodes) * devices
+        check_mesh_sizes(model_parallel_sizes(self), int(self.num_nodes), world_size, self._ldet_invariant is not None)
 
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:

@@ -23,6 +23,7 @@ from lightning_determinism._compat.access import model_parallel_sizes, module_tr
 from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
+from lightning_determinism.strategies.arguments import check_mesh_sizes
 from lightning_determinism.strategies.launchers import replace_launcher
 from lightning_determinism.strategies.trainer import DeterministicStrategyMixin
 
@@ -59,32 +60,7 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         self.start_method = start_method
         self._ldet_weights_stay_in_ranks = True  # sharded weights are not sent back to a fork/spawn main process
         super().__init__(*args, **kwargs)
-        for name, size in zip(("data_parallel_size", "tensor_parallel_size"), model_parallel_sizes(self), strict=True):
-            if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-                raise ValueError(f"`{name}` must be 'auto' or a positive int, got {size!r}")
-        self._ldet_check_invariant_mesh(model_parallel_sizes(self)[1])
-
-    def _ldet_check_invariant_mesh(self, tensor_parallel_size: Any) -> None:
-        if self.invariant is not None and isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
-            raise ValueError(
-                "world-size-invariant training (`global_batch_size`, `micro_batch_size`) runs on FSDP2 over"
-                f" data-parallel ranks: it needs `tensor_parallel_size=1`, got {tensor_parallel_size} (a"
-                " tensor-parallel rank's micro-batches are not its own)"
-            )
-
-    def _ldet_check_mesh(self, world_size: int) -> None:
-        """The mesh's sizes against the processes the Trainer will start, as Lightning resolves ``"auto"``."""
-        devices = world_size // max(int(self.num_nodes), 1)
-        given_dp, given_tp = model_parallel_sizes(self)
-        dp = self.num_nodes if given_dp == "auto" else given_dp
-        tp = devices if given_tp == "auto" else given_tp
-        if dp * tp != world_size:
-            raise ValueError(
-                f"`data_parallel_size={given_dp}` x `tensor_parallel_size={given_tp}`"
-                f" (resolved: {dp} x {tp} = {dp * tp}) must equal the {world_size} processes the Trainer starts"
-                f" (devices={devices} x num_nodes={self.num_nodes})"
-            )
-        self._ldet_check_invariant_mesh(tp)
+        check_mesh_sizes(model_parallel_sizes(self), self.num_nodes, None, self.invariant is not None)
 
     @override
     def setup_environment(self) -> None:
@@ -115,7 +91,9 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        self._ldet_check_mesh(self._ldet_planned_world_size())  # in the main process: one line, not one per rank
+        # In the main process: one line, not one per rank.
+        check_mesh_sizes(model_parallel_sizes(self), self.num_nodes, self._ldet_planned_world_size(),
+                         self.invariant is not None)  # fmt: skip
         environment = self.cluster_environment
         if self.start_method != "popen" and environment is not None and not environment.creates_processes_externally:
             launcher = MultiProcessingLauncher(self, start_method=self.start_method)  # type: ignore[arg-type]

@@ -284,7 +284,7 @@ def test_model_parallel_mistakes_are_refused_at_construction(kwargs, match):
 @pytest.mark.parametrize(
     ("kwargs", "devices", "match"),
     [
-        ({"tensor_parallel_size": 3}, 2, r"resolved: 1 x 3 = 3\) must equal the 2 processes the Trainer starts"),
+        ({"tensor_parallel_size": 3}, 2, r"resolved: 1 x 3 = 3\) must equal the 2 processes the launcher starts"),
         ({"data_parallel_size": 2, "tensor_parallel_size": 2}, 2, r"resolved: 2 x 2 = 4\) must equal the 2"),
         ({"global_batch_size": 8, "micro_batch_size": 4}, 2, r"it needs `tensor_parallel_size=1`, got 2"),  # auto
     ],
@@ -301,3 +301,18 @@ def test_a_mesh_that_does_not_fit_the_devices_is_refused_in_the_main_process_bef
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=1, logger=False,
                             enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
         trainer.fit(Refused())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "match"),
+    [
+        ({"tensor_parallel_size": 3}, 2, r"resolved: 1 x 3 = 3\) must equal the 2 processes the launcher starts"),
+        ({"tensor_parallel_size": 0}, 2, r"`tensor_parallel_size` must be 'auto' or a positive int, got 0"),
+    ],
+)
+def test_fabric_model_parallel_mesh_mistakes_are_refused_before_launch(kwargs, devices, match):
+    from lightning_determinism.strategies.fabric import DeterministicFabricModelParallelStrategy
+
+    with pytest.raises(ValueError, match=match):
+        strategy = DeterministicFabricModelParallelStrategy(lambda module, mesh: module, seed=1, **kwargs)
+        L.Fabric(accelerator="cpu", devices=devices, strategy=strategy)  # no rank launched: fabric.launch() not called
