@@ -51,7 +51,11 @@ def check_distributed_checkpoint(path: str | Path) -> None:
         ...     print(str(err).replace(str(path), "step=3.ckpt"))
         step=3.ckpt: a damaged distributed checkpoint: no .metadata (torch.distributed.checkpoint's index of the shards; a save cut short, or not a distributed checkpoint)
     """  # noqa: E501
-    path = Path(path)
+    _checked_index(Path(path))
+
+
+def _checked_index(path: Path) -> Any:
+    """:func:`check_distributed_checkpoint`, returning the index it read (a load then need not unpickle it again)."""
     missing = {
         INDEX: "torch.distributed.checkpoint's index of the shards; a save cut short, or not a distributed checkpoint",
         META: "Lightning's rank 0 writes it after the shards; a save cut short, or not a Lightning checkpoint",
@@ -59,19 +63,25 @@ def check_distributed_checkpoint(path: str | Path) -> None:
     for name, why in missing.items():
         if not (path / name).is_file():
             raise DamagedCheckpointError(f"{path}: a damaged distributed checkpoint: no {name} ({why})")
-    _check_shard_files(path)
+    index = _read_index(path)
+    _check_shard_files(path, index)
+    return index
 
 
-def _check_shard_files(path: Path) -> None:
-    """Every shard file the index names is there and long enough for the bytes the index says it holds."""
+def _read_index(path: Path) -> Any:
+    """DCP's index of the shards (``.metadata``, a pickle), or one error naming the directory."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        index = FileSystemReader(path).read_metadata()
+        return FileSystemReader(path).read_metadata()
     except Exception as err:  # a pickle: anything may come of a damaged one
         raise DamagedCheckpointError(
             f"{path}: a damaged distributed checkpoint: its index {INDEX} cannot be read ({type(err).__name__}: {err})"
         ) from err
+
+
+def _check_shard_files(path: Path, index: Any) -> None:
+    """Every shard file the index names is there and long enough for the bytes the index says it holds."""
     needed: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
         name = str(getattr(info, "relative_path", ""))
@@ -129,7 +139,7 @@ def _unreadable(path: Path, err: BaseException) -> Exception:
     return DamagedCheckpointError(f"{path}: a damaged distributed checkpoint: its shards cannot be read ({why})")
 
 
-def _read_shards(path: Path) -> tuple[dict[str, Any], Any]:
+def _read_shards(path: Path, index: Any) -> tuple[dict[str, Any], Any]:
     """The shards' entries by their flat DCP keys (``state_dict.net.0.weight``), tensors whole, on the CPU.
 
     Also returns DCP's record of each key's path in the saved state (``planner_data``).
@@ -138,12 +148,6 @@ def _read_shards(path: Path) -> tuple[dict[str, Any], Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = FileSystemReader(path)
-    try:
-        index = reader.read_metadata()
-    except Exception as err:  # a pickle: anything may come of a damaged one
-        raise DamagedCheckpointError(
-            f"{path}: a damaged distributed checkpoint: its index {INDEX} cannot be read ({type(err).__name__}: {err})"
-        ) from err
     flat: dict[str, Any] = {}
     for key, stored in index.state_dict_metadata.items():
         # zeros, not empty: a chunk the index failed to list must not hash as whatever the memory held
@@ -225,12 +229,12 @@ def load_distributed_checkpoint(path: str | Path) -> dict[str, Any]:
         (1, torch.Size([2]), [])
     """
     path = Path(path)
-    check_distributed_checkpoint(path)
+    index = _checked_index(path)
     checkpoint = _load_meta(path / META)
     from torch.distributed.checkpoint import CheckpointException
 
     try:
-        flat, mappings = _read_shards(path)
+        flat, mappings = _read_shards(path, index)
     except DamagedCheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
