@@ -93,13 +93,19 @@ class Net(nn.Module):
 FORMS = ["reentrant", "non_reentrant", "wrapper", "wrapper_reentrant", "apply", "selective", "composable"]
 
 
-def train(form, inside_fork=False, steps=2):
-    """Two steps from fixed seeds; the gradients of every step, the streams' states after the last."""
+def fresh_streams():
+    """The tracker's two streams at their start, no named generator yet; returns the tracker."""
     tracker = get_rng_tracker()
     tracker.reset()
     generators_module._GENERATORS.clear()
     tracker.add(DEFAULT_STREAM, 1234)
     tracker.add(OUTER, 99)
+    return tracker
+
+
+def train(form, inside_fork=False, steps=2):
+    """Two steps from fixed seeds; the gradients of every step, the streams' states after the last."""
+    tracker = fresh_streams()
     torch.manual_seed(0)
     net = Net(form)
     torch.manual_seed(5)  # the default stream of the run
@@ -233,11 +239,7 @@ def test_a_compiled_checkpointed_block_gives_the_eager_gradients():
     compiled, eager = net("wrapper"), net(None)
 
     def grads(model):
-        tracker = get_rng_tracker()
-        tracker.reset()
-        generators_module._GENERATORS.clear()
-        tracker.add(DEFAULT_STREAM, 1234)
-        tracker.add(OUTER, 99)
+        fresh_streams()
         torch.manual_seed(5)
         for step in range(2):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step), requires_grad=True)
