@@ -132,6 +132,18 @@ def keep_dtensor_tracker_from_syncing(mesh: Any) -> bool:
     return True
 
 
+def checkpoint_connector(trainer: Any) -> Any:
+    """The trainer's checkpoint connector (how Lightning resolves and loads ``ckpt_path``)."""
+    return _private(trainer, "_checkpoint_connector")
+
+
+def checkpoint_connector_class() -> Any:
+    """Lightning's ``_CheckpointConnector`` class (its ``_parse_ckpt_path`` and ``resume_start`` are wrapped)."""
+    from lightning.pytorch.trainer.connectors import checkpoint_connector as module
+
+    return _private(module, "_CheckpointConnector")
+
+
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The checkpoint ``trainer.save_checkpoint`` would write, built here without its barrier (rank 0 alone)."""
     return _private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
@@ -298,6 +310,8 @@ def metric_defaults(metric: Any) -> dict[str, Any]:
 
 __all__ = [
     "accelerator_connector",
+    "checkpoint_connector",
+    "checkpoint_connector_class",
     "combined_loader",
     "combined_mode",
     "ddp_comm_hook",

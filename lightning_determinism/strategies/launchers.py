@@ -40,6 +40,7 @@ from lightning_determinism._compat.checks import (
 from lightning_determinism._process import die_with_parent
 from lightning_determinism.checkpoints.io import check_resume_path, finish_interrupted_publishes_of
 from lightning_determinism.errors import DeterminismWarning
+from lightning_determinism.strategies.resume_path import resolve_before_launch
 
 PARENT_PID_ENV = "LDET_LAUNCHER_PID"
 """Set for the popen launcher's child scripts: the pid of the rank-0 process that started them."""
@@ -85,7 +86,7 @@ class CleanExitLauncher(MultiProcessingLauncher):
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_before_launch(self._strategy, trainer, args, function, kwargs)  # type: ignore[attr-defined]
+        args, kwargs = check_before_launch(self._strategy, trainer, args, function, kwargs)  # type: ignore[attr-defined]
         self._ldet_parent_pid = os.getpid()  # read by the ranks: forked memory, or pickled with the launcher
         threads = running_threads()
         self._ldet_single_thread = (
@@ -178,7 +179,7 @@ class ParentTrackingScriptLauncher(SubprocessScriptLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if not self.cluster_environment.creates_processes_externally:  # only the main process: not a child script
-            check_before_launch(self._ldet_strategy, trainer, args, function, kwargs)
+            args, kwargs = check_before_launch(self._ldet_strategy, trainer, args, function, kwargs)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -196,24 +197,37 @@ def check_before_launch(
     args: tuple[Any, ...],
     function: Callable[..., Any] | None = None,
     kwargs: dict[str, Any] | None = None,
-) -> None:
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Refuse in the main process, before the ranks exist, what every rank would refuse: one error, not one a rank.
 
     The strategy checks its configuration (``args[0]``: the model); a ``ckpt_path`` of ``function`` (the Trainer's
-    ``_fit_impl``, ``_validate_impl``, ...; found by name in its signature) that is missing or cut short is refused
-    (:func:`~lightning_determinism.checkpoints.io.check_resume_path`).
+    ``_fit_impl``, ``_validate_impl``, ...; found by name in its signature) of ``"last"`` or ``"hpc"`` is resolved
+    here, once (:func:`~lightning_determinism.strategies.resume_path.resolve_before_launch`), and the path that is
+    missing or damaged is refused (:func:`~lightning_determinism.checkpoints.io.check_resume_path`).
+
+    Returns:
+        ``args`` and ``kwargs`` for ``function``, with the resolved ``ckpt_path`` in place of ``"last"``.
     """
+    kwargs = dict(kwargs or {})
     check = getattr(strategy, "check_before_launch", None)
     if check is not None and trainer is not None:
         check(trainer, args[0] if args else None)
-    if function is not None and strategy is not None:
-        try:
-            bound = inspect.signature(function).bind_partial(*args, **(kwargs or {})).arguments
-        except (TypeError, ValueError):  # not a function of the Trainer's: nothing to look for
-            return
-        check_resume_path(strategy, bound.get("ckpt_path"))
-        if bound.get("ckpt_path") == "last":  # before the ranks look for the newest last*.ckpt
-            finish_interrupted_publishes_of(trainer)
+    if function is None or strategy is None:
+        return args, kwargs
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # not a function of the Trainer's: nothing to look for
+        return args, kwargs
+    ckpt_path = bound.arguments.get("ckpt_path")
+    if ckpt_path == "last":  # before anyone looks for the newest last*.ckpt
+        finish_interrupted_publishes_of(trainer)
+    if getattr(strategy, "_ldet_one_checkpoint", False):
+        resolved = resolve_before_launch(trainer, ckpt_path)
+        if resolved is not ckpt_path:
+            bound.arguments["ckpt_path"] = ckpt_path = resolved
+            args, kwargs = tuple(bound.args), dict(bound.kwargs)
+    check_resume_path(strategy, ckpt_path)
+    return args, kwargs
 
 
 def adopt_parent_from_env() -> None:

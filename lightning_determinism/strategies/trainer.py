@@ -49,6 +49,7 @@ from lightning_determinism.strategies.launchers import (
     destroy_gloo_group_at_exit,
     replace_launcher,
 )
+from lightning_determinism.strategies.resume_path import install as resolve_ckpt_path_once
 from lightning_determinism.strategies.seeding_steps import SeedingProperties, SeedingSteps
 
 
@@ -88,6 +89,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         (42, 'warn')
     """
 
+    _ldet_one_checkpoint = True  # every rank resumes from the checkpoint rank 0 resolved (strategies.resume_path)
+
     def __init__(
         self,
         *args: Any,
@@ -108,6 +111,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
         self._ldet_isolation = EvaluationIsolation(self._ldet_steps)  # evaluation never moves training's streams
         self._ldet_restore_clipping: Callable[[], None] | None = None  # not a lambda: spawn pickles the strategy
+        resolve_ckpt_path_once()  # ckpt_path="last" resolved by rank 0, the same checkpoint on every rank
         super().__init__(*args, **kwargs)
 
     # The base methods come from the strategy the mixin is combined with, hence the ignores for mypy.
