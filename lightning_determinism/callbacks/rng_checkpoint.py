@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
 from lightning_determinism.callbacks._resume_layout import (
@@ -35,7 +35,9 @@ from lightning_determinism.callbacks._resume_layout import (
     _warn_on_other_accumulation,
     _with_grids,
 )
+from lightning_determinism.callbacks._resume_policy import finished_under, identity_note, refuse_mid_epoch_changes
 from lightning_determinism.callbacks._step_boundaries import save_at_step_boundaries
+from lightning_determinism.callbacks.run_identity import run_identity
 from lightning_determinism.data.positions import (
     consumed_batches,
     loader_positions,
@@ -91,10 +93,14 @@ class RNGStateCheckpoint(Callback):
         self._stock = False
         self._fit_started = False
         self._evaluation_ranks: list[dict[str, Any]] | None = None
+        self._configured: dict[str, Any] = {}  # run_identity at fit start: the hyper-parameters as configured
+        self._saved_identity: dict[str, Any] | None = None  # the resumed checkpoint's, until said
+        self._finished: str | None = None  # the limit the resumed checkpoint already reaches
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fit_started = False
+        self._saved_identity = self._finished = None
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 save_at_step_boundaries(callback)
@@ -127,7 +133,16 @@ class RNGStateCheckpoint(Callback):
             "invariant": invariant.state() if invariant is not None else None,  # elastic resume
             "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
             "mesh": _mesh_shape(trainer),  # ModelParallelStrategy's (data_parallel, tensor_parallel), else None
+            "identity": self._identity(trainer),  # the run's configuration: a resume under another one is said
         }
+
+    def _identity(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The run's identity, its optimizer fields as configured at fit start (not a scheduler's current ones)."""
+        now = run_identity(trainer)
+        if not self._configured:
+            return now
+        kept = {key: value for key, value in now.items() if not key.startswith("optimizer")}
+        return {**kept, **{key: value for key, value in self._configured.items() if key.startswith("optimizer")}}
 
     def _local_state(self, trainer: pl.Trainer) -> dict[str, Any]:
         worker_cb = _worker_callback(trainer)
@@ -170,12 +185,21 @@ class RNGStateCheckpoint(Callback):
             self._pending = None
             self._stock = _mid_epoch(checkpoint)  # the data position is derived from Lightning's counters
             return
-        _warn_on_other_accumulation(saved, trainer)
+        invariant = getattr(trainer.strategy, "invariant", None)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            refuse_mid_epoch_changes(saved, checkpoint, invariant, current_seeds()["base_seed"], trainer.global_rank)
+        self._saved_identity = saved.get("identity") if fitting else None
+        if saved.get("identity") is None:  # an older checkpoint: its own warning (else said with the identity)
+            _warn_on_other_accumulation(saved, trainer)
+        elif fitting:
+            self._finished = finished_under(checkpoint, trainer.max_epochs, trainer.max_steps)
+            if self._fit_started and self._finished is not None:
+                self._say_identity(trainer)  # the fit loop will not start: said now, as nothing is trained
         ranks = check_ranks(saved, CHECKPOINT_KEY)
         world_size = saved["world_size"]
         self._pending = saved
         same_world = _same_layout(saved, trainer)
-        invariant = getattr(trainer.strategy, "invariant", None)
         if not same_world and elastic.compatible(saved.get("invariant"), invariant):
             self._elastic_resume(trainer, saved, checkpoint, invariant)
             return
@@ -243,8 +267,19 @@ class RNGStateCheckpoint(Callback):
             return
         raise RuntimeError(message)
 
+    def _say_identity(self, trainer: pl.Trainer) -> None:
+        """One line (rank 0) naming every field of the run's identity that differs from the checkpoint's."""
+        saved, self._saved_identity = self._saved_identity, None
+        finished, self._finished = self._finished, None
+        if saved is None:
+            return
+        note = identity_note(saved, self._identity(trainer), finished)
+        if note is not None:
+            rank_zero_warn(note, category=DeterminismWarning)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._say_identity(trainer)  # the loaders exist now (the data's length); before the first batch
         if self._stock:  # the loops hold the restored counters, the loaders exist, no iterator was created yet
             self._stock = False
             set_plan(trainer, stock_positions(trainer))
@@ -253,6 +288,9 @@ class RNGStateCheckpoint(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's own seeding in setup(), before the first iterator and step.
         self._fit_started = True
+        self._configured = run_identity(trainer)  # the optimizers exist; the checkpoint's state is not loaded yet
+        if self._finished is not None:
+            self._say_identity(trainer)  # the fit loop will not start (nothing left to train): said now
         self._restore_pending(trainer)
 
     @override
@@ -278,7 +316,8 @@ class RNGStateCheckpoint(Callback):
             )
             _reseed(trainer, int(base or 0), step, rank)
             return
-        self._warn_on_other_seed(saved)
+        if saved.get("identity") is None:  # else said with the identity, in one line
+            self._warn_on_other_seed(saved)
         entry = saved["ranks"][rank]
         restore_rng_state(entry["rng"])
         self._verify(saved, rank)

@@ -1,5 +1,6 @@
-"""Nothing silent at resume, in one process: a stock Lightning checkpoint, other data, batch size, workers or
-accumulation each resume exactly, are refused, or get one warning that says what will be repeated or skipped."""
+"""Nothing silent at resume, in one process: a stock Lightning checkpoint, other data, batch size, workers,
+accumulation, invariant step, seed or hyper-parameters each resume exactly, are refused, or get one warning that says
+what will be repeated, skipped or ignored."""
 
 import json
 from pathlib import Path
@@ -30,9 +31,12 @@ class Ids(Dataset):
 class IdsModule(L.LightningModule):
     """Records, per optimizer step, the sample ids it trained on (to `out/ids.json` at the end of training)."""
 
-    def __init__(self, out: Path, n: int = 24, batch_size: int = 4, shuffle: bool = False, workers: int = 0) -> None:
+    def __init__(
+        self, out: Path, n: int = 24, batch_size: int = 4, shuffle: bool = False, workers: int = 0, lr: float = 0.01
+    ) -> None:
         super().__init__()
         self.out, self.n, self.batch_size, self.shuffle, self.workers = out, n, batch_size, shuffle, workers
+        self.lr = lr
         self.net = nn.Linear(4, 1)
         self.ids: list[list[int]] = []
 
@@ -45,18 +49,18 @@ class IdsModule(L.LightningModule):
         return DataLoader(Ids(self.n), batch_size=self.batch_size, shuffle=self.shuffle, num_workers=self.workers)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def on_train_end(self) -> None:
         (self.out / "ids.json").write_text(json.dumps(self.ids))
 
 
-def _fit(out: Path, module_kwargs=None, ckpt=None, every_step=False, **trainer_kwargs):
+def _fit(out: Path, module_kwargs=None, ckpt=None, every_step=False, seed=3, invariant=None, **trainer_kwargs):
     out.mkdir(parents=True, exist_ok=True)
     callbacks = [ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")]
+    strategy = DeterministicSingleDeviceStrategy(seed=seed, device="cpu", **(invariant or {}))
     trainer = quiet_trainer(
-        DeterministicSingleDeviceStrategy(seed=3, device="cpu"), 1, max_epochs=2, callbacks=callbacks,
-        enable_checkpointing=True, **trainer_kwargs,
+        strategy, 1, max_epochs=2, callbacks=callbacks, enable_checkpointing=True, **trainer_kwargs,
     )  # fmt: skip
     trainer.fit(IdsModule(out, **(module_kwargs or {})), ckpt_path=ckpt)
     return json.loads((out / "ids.json").read_text())
@@ -120,5 +124,114 @@ def test_other_num_workers_without_per_sample_seeds_warns_that_worker_randomness
 
 def test_other_accumulation_warns(straight, tmp_path):
     root, _, _ = straight
-    with pytest.warns(DeterminismWarning, match="accumulate_grad_batches=1 and is resumed with 2"):
+    with pytest.warns(DeterminismWarning, match="accumulate_grad_batches: 1 -> 2 .every later optimizer step sums"):
         _fit(tmp_path, ckpt=root / "straight" / "step=6.ckpt", accumulate_grad_batches=2)
+
+
+# The run's identity (issue 40, items 2 and 5): a resume under another configuration is refused or said in one line.
+
+STEP8 = {"global_batch_size": 8, "micro_batch_size": 4}  # K = 2 micro-batches of 4 per step on one process
+
+
+@pytest.fixture(scope="module")
+def invariant(straight):
+    root, _, _ = straight
+    return root, _fit(root / "invariant", invariant=STEP8)  # 3 steps an epoch: step=1 mid-epoch, step=3 its end
+
+
+def _said(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, DeterminismWarning)]
+
+
+def test_the_checkpoint_records_the_runs_identity(straight, invariant):
+    identity = torch.load(straight[0] / "straight" / "step=3.ckpt", weights_only=True)[CHECKPOINT_KEY]["identity"]
+    assert json.loads(json.dumps(identity)) == identity  # flat and JSON-able
+    assert {k: identity[k] for k in ("base_seed", "world_size", "global_batch_size", "optimizer", "optimizer.lr")} == {
+        "base_seed": 3, "world_size": 1, "global_batch_size": None, "optimizer": "SGD", "optimizer.lr": 0.01,
+    }  # fmt: skip
+    assert (identity["train_samples"], identity["train_batches"], identity["max_epochs"]) == (24, 6, 2)
+    saved = torch.load(invariant[0] / "invariant" / "step=1.ckpt", weights_only=True)[CHECKPOINT_KEY]["identity"]
+    assert [saved[k] for k in ("global_batch_size", "micro_batch_size", "micro_batches_per_rank")] == [8, 4, 2]
+    assert saved["accumulate_grad_batches"] == 2
+
+
+@pytest.mark.parametrize(
+    ("resumed_with", "match"),
+    [
+        (
+            {"global_batch_size": 16, "micro_batch_size": 4},
+            "and is resumed with global_batch_size=16, micro_batch_size=4",
+        ),
+        (None, "and is resumed without the world-size-invariant mode"),
+    ],
+    ids=["another-global-batch", "invariant-to-plain"],
+)
+def test_another_invariant_step_mid_epoch_is_refused(invariant, tmp_path, resumed_with, match):
+    root, _ = invariant
+    with pytest.raises(
+        RuntimeError, match=r"2 batches into epoch 0 with global_batch_size=8, micro_batch_size=4 " + match
+    ):
+        _fit(tmp_path, ckpt=root / "invariant" / "step=1.ckpt", invariant=resumed_with)
+
+
+def test_plain_to_invariant_mid_epoch_is_refused_the_same_way(straight, tmp_path):
+    root, _, _ = straight
+    with pytest.raises(RuntimeError, match="without the world-size-invariant mode and is resumed with global_batch_si"):
+        _fit(tmp_path, ckpt=root / "straight" / "step=3.ckpt", invariant=STEP8)
+
+
+@pytest.mark.parametrize(
+    ("resumed_with", "changes"),
+    [
+        ({"global_batch_size": 4, "micro_batch_size": 4}, "global_batch_size: 8 -> 4; micro_batches_per_rank: 2 -> 1;"),
+        (None, "global_batch_size: 8 -> None; micro_batch_size: 4 -> None; micro_batches_per_rank: 2 -> None;"),
+    ],
+    ids=["another-global-batch", "invariant-to-plain"],
+)
+def test_another_invariant_step_at_an_epoch_boundary_is_said_in_one_line(invariant, tmp_path, resumed_with, changes):
+    root, _ = invariant
+    with pytest.warns(DeterminismWarning) as record:
+        resumed = _fit(tmp_path, ckpt=root / "invariant" / "step=3.ckpt", invariant=resumed_with)
+    assert _said(record) == [
+        f"Resuming a checkpoint written under another configuration: {changes} accumulate_grad_batches: 2 -> 1."
+    ]  # an unchanged field (m) is not listed; the invariant mode sets the accumulation itself
+    assert sorted(i for batch in resumed for i in batch) == list(range(24))  # epoch 1, each sample once
+
+
+def test_another_seed_mid_epoch_is_refused_with_how_to_continue(straight, tmp_path):
+    root, _, _ = straight
+    with pytest.raises(RuntimeError, match=r"3 batches into epoch 0 by a run with base seed 3, and this run's base seed"
+                                           r" is 4: .* Resume with seed=3"):  # fmt: skip
+        _fit(tmp_path, {"shuffle": True}, ckpt=root / "shuffled" / "step=3.ckpt", seed=4)
+
+
+def test_another_seed_at_an_epoch_boundary_is_said_in_one_line(straight, tmp_path):
+    root, _, _ = straight
+    with pytest.warns(DeterminismWarning) as record:
+        _fit(tmp_path, {"shuffle": True}, ckpt=root / "shuffled" / "step=6.ckpt", seed=4)
+    notes = _said(record)
+    head = "Resuming a checkpoint written under another configuration: base_seed: 3 -> 4 (the saved RNG states are"
+    assert len(notes) == 1 and notes[0].startswith(head), notes
+
+
+def test_another_runs_finished_checkpoint_with_another_lr_says_the_lr_is_ignored_and_nothing_trains(straight, tmp_path):
+    # The issue's case: run B (another lr) resumed run A's final checkpoint, trained nothing and exited 0 silently.
+    root, _, _ = straight
+    with pytest.warns(DeterminismWarning) as record:
+        resumed = _fit(tmp_path, {"lr": 0.1}, ckpt=root / "straight" / "step=12.ckpt")
+    assert resumed == []
+    assert _said(record) == [
+        "Resuming a checkpoint written under another configuration: optimizer.lr: 0.01 -> 0.1 (Lightning restores the"
+        " checkpoint's optimizer state, hyper-parameters included: this run trains with 0.01, the new value is"
+        " ignored); the checkpoint already reaches max_epochs=2 (2 epochs done): nothing is trained."
+    ]
+
+
+def test_the_same_configuration_says_nothing_and_an_older_checkpoint_loads_as_before(straight, tmp_path, recwarn):
+    root, ids, _ = straight
+    assert _fit(tmp_path / "same", ckpt=root / "straight" / "step=3.ckpt") == ids[3:]
+    checkpoint = torch.load(root / "straight" / "step=3.ckpt", weights_only=True)
+    del checkpoint[CHECKPOINT_KEY]["identity"]  # written before the identity was recorded
+    torch.save(checkpoint, tmp_path / "older.ckpt")
+    assert _fit(tmp_path / "older", {"lr": 0.1}, ckpt=tmp_path / "older.ckpt") == ids[3:]
+    assert _said(recwarn) == []

@@ -94,12 +94,18 @@ def test_size_of_the_entry(first):
     assert RNGStateCheckpoint().state_key == "RNGStateCheckpoint"
 
 
-def test_a_checkpoint_from_another_base_seed_warns_naming_both(tmp_path, first):
+@pytest.mark.parametrize("identity", [True, False], ids=["identity", "older-checkpoint"])
+def test_a_checkpoint_from_another_base_seed_warns_naming_both(tmp_path, first, identity):
     def other_seed(checkpoint):
         checkpoint[CHECKPOINT_KEY]["base_seed"] = 99
+        if identity:
+            checkpoint[CHECKPOINT_KEY]["identity"]["base_seed"] = 99
+        else:
+            del checkpoint[CHECKPOINT_KEY]["identity"]
 
     path = _rewrite(first, tmp_path, other_seed)
-    with pytest.warns(DeterminismWarning, match=r"base seed 99, but this run's base seed is 3.*Resume with seed=99"):
+    match = "base_seed: 99 -> 3 .*resume with seed=99" if identity else "base seed 99, but this run's base seed is 3"
+    with pytest.warns(DeterminismWarning, match=match):  # at an epoch boundary: said (mid-epoch: refused)
         _fit(tmp_path, "resumed", 2, path)
 
 
