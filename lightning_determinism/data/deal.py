@@ -9,6 +9,12 @@ trained once (the padding's repeats aside, as in any ``DistributedSampler`` epoc
 order. A checkpoint written inside such a dealt epoch adds its stage (``worlds``/``consumed``), so a later resume,
 on any number of replicas, deals what is left of that. The next epoch is the sampler's own again.
 
+Resumed on one process, Lightning injects no ``DistributedSampler``: the loader samples with its own sampler
+(``RandomSampler``, ``SequentialSampler``, a user's). The one process then takes the whole rest, in the same order,
+and the epochs after follow its own sampler (:func:`check_dealable` says so in one warning). What cannot be dealt
+(another dataset length or batch size, several ranks without a ``DistributedSampler``, a user's batch sampler) is
+refused when the loader's iterator is made, before its first batch.
+
 What is not bitwise then: the random numbers (each rank reseeds; see ``RNGStateCheckpoint``) and the reductions'
 order (another number of ranks), so the parameters differ in their last bits from the uninterrupted run's.
 """
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, IterableDataset
 
 
 def stock_distributed_sampler(loader: Any) -> DistributedSampler[Any] | None:
@@ -31,18 +37,21 @@ def deal_entry(loader: Any, skip: int) -> dict[str, Any] | None:
     """What a checkpoint keeps to deal the rest of the loader's epoch on another world; ``None`` if it cannot."""
     sampler = stock_distributed_sampler(loader)
     batch = getattr(loader, "batch_size", None)
-    if sampler is None or batch is None:
-        return None
     active = getattr(loader, "_ldet_dealt", None)  # this epoch is itself a dealt rest: add its stage
-    worlds, consumed = (list(active["worlds"]), list(active["consumed"])) if active else ([], [])
+    if batch is None or (sampler is None and not active):
+        return None
+    if active:  # dealt into a DistributedSampler, or into one process's own sampler (one replica)
+        replicas = int(sampler.num_replicas) if sampler is not None else 1
+        return {**active, "worlds": [*active["worlds"], replicas], "consumed": [*active["consumed"], int(skip)]}
+    assert sampler is not None
     return {
         "length": len(sampler.dataset),  # type: ignore[arg-type]
         "seed": int(sampler.seed),
         "shuffle": bool(sampler.shuffle),
         "drop_last": bool(sampler.drop_last),
         "batch": int(batch),
-        "worlds": [*worlds, int(sampler.num_replicas)],
-        "consumed": [*consumed, int(skip)],
+        "worlds": [int(sampler.num_replicas)],
+        "consumed": [int(skip)],
     }
 
 
@@ -94,6 +103,85 @@ def dealt_share(deal: dict[str, Any], epoch: int, rank: int, world: int) -> list
     return _pad(rest_of_epoch(deal, epoch), world, deal["drop_last"])[rank::world]
 
 
+def _sampler_name(loader: Any) -> str:
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(loader, "sampler", None)
+    return type(sampler).__name__
+
+
+def check_dealable(deal: dict[str, Any], loader: Any, epoch: int, one_process: bool) -> str | None:
+    """Refuse a saved position that cannot be dealt into ``loader``; the warning to give where it is dealt otherwise.
+
+    Dealt into a ``DistributedSampler``, it must order the epoch as the saved one did (:func:`check_same_sampler`).
+    Without one, only ``one_process`` can take the rest (all of it): the dataset's length and the batch size must be
+    the saved ones (a saved count of batches is a count of samples); the message returned says that the epochs
+    after follow the loader's own sampler.
+
+    Raises:
+        RuntimeError: naming what cannot be dealt, in one line.
+
+    Examples:
+        >>> from torch.utils.data import DataLoader
+        >>> deal = {"length": 8, "seed": 0, "shuffle": True, "drop_last": False, "batch": 2, "worlds": [2],
+        ...         "consumed": [1]}
+        >>> message = check_dealable(deal, DataLoader(range(8), batch_size=2, shuffle=True), 0, one_process=True)
+        >>> message[message.index("RandomSampler"):][:87]
+        'RandomSampler: the 4 samples of the interrupted epoch not trained yet are dealt to this'
+    """
+    if stock_distributed_sampler(loader) is not None:
+        check_same_sampler(deal, loader)
+        return None
+    name, batch, world = _sampler_name(loader), getattr(loader, "batch_size", None), deal["worlds"][0]
+    streamed = isinstance(getattr(loader, "dataset", None), IterableDataset)
+    if not one_process or batch is None or streamed:
+        how = (
+            "on several ranks without a DistributedSampler"
+            if not one_process
+            else "with a batch sampler of its own"
+            if batch is None
+            else "over an IterableDataset"
+        )
+        raise RuntimeError(
+            f"The checkpoint was written in the middle of an epoch under a DistributedSampler over {world} ranks and is"
+            f" resumed with a training loader sampled by {name} {how}: the rest of the epoch cannot be dealt (only a"
+            " DistributedSampler's replicas, or one process, can take it). Resume with Lightning's DistributedSampler"
+            " (use_distributed_sampler=True) or on one process, or from a checkpoint written at an epoch boundary."
+        )
+    now = (("length", _length(loader)), ("batch", batch))
+    changed = [f"{key} {deal[key]} -> {value}" for key, value in now if deal[key] != value]
+    if changed:
+        raise _changed(changed)
+    return (
+        f"The checkpoint was written in the middle of epoch {epoch} under a DistributedSampler over {world} ranks and"
+        f" is resumed on one process whose training loader samples with {name}: the {len(rest_of_epoch(deal, epoch))}"
+        " samples of the interrupted epoch not trained yet are dealt to this process, each once, in the uninterrupted"
+        f" run's order, and the epochs after follow {name}'s own order (lightning_determinism.data.deal)."
+    )
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return None
+
+
+def _changed(changed: list[str]) -> RuntimeError:
+    return RuntimeError(
+        f"The checkpoint was written mid-epoch by a training loader whose {', '.join(changed)} since: the rest of"
+        " the interrupted epoch would be other samples. Resume with the data, seed and batch size it was written"
+        " with, or from a checkpoint written at an epoch boundary."
+    )
+
+
+def share_of(deal: dict[str, Any], loader: Any, epoch: int) -> list[int]:
+    """``loader``'s share of the rest of the interrupted ``epoch``: its replica's, or all of it on one process."""
+    sampler = stock_distributed_sampler(loader)
+    if sampler is None:
+        return dealt_share(deal, epoch, 0, 1)
+    return dealt_share(deal, epoch, int(sampler.rank), int(sampler.num_replicas))
+
+
 def check_same_sampler(deal: dict[str, Any], loader: Any) -> None:
     """Refuse to deal a saved position into a sampler that orders the epoch otherwise (another seed, shuffle, data).
 
@@ -101,29 +189,22 @@ def check_same_sampler(deal: dict[str, Any], loader: Any) -> None:
         RuntimeError: naming what changed.
     """
     sampler = stock_distributed_sampler(loader)
-    if sampler is None:
-        raise RuntimeError(
-            "The checkpoint was written mid-epoch under a DistributedSampler and is resumed on another number of"
-            f" data-parallel ranks with a training loader sampled by {type(getattr(loader, 'sampler', None)).__name__}:"
-            " the rest of the epoch cannot be dealt. Resume with the sampler it was written with."
-        )
+    assert sampler is not None
     now = {"length": len(sampler.dataset), "seed": int(sampler.seed), "shuffle": bool(sampler.shuffle),  # type: ignore[arg-type]
            "drop_last": bool(sampler.drop_last), "batch": getattr(loader, "batch_size", None)}  # fmt: skip
     changed = [f"{key} {deal[key]} -> {value}" for key, value in now.items() if deal[key] != value]
     if changed:
-        raise RuntimeError(
-            f"The checkpoint was written mid-epoch by a training loader whose {', '.join(changed)} since: the rest of"
-            " the interrupted epoch would be other samples. Resume with the data, seed and batch size it was written"
-            " with, or from a checkpoint written at an epoch boundary."
-        )
+        raise _changed(changed)
 
 
 __all__ = [
+    "check_dealable",
     "check_same_sampler",
     "deal_entry",
     "dealt_share",
     "epoch_order",
     "needs_deal",
     "rest_of_epoch",
+    "share_of",
     "stock_distributed_sampler",
 ]

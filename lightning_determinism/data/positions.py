@@ -70,12 +70,8 @@ def set_plan(trainer: Any, states: Sequence[dict[str, Any] | None] | None) -> No
     setattr(trainer, PLAN_ATTR, list(states) if states else None)
 
 
-def take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
-    """The saved position this loader resumes at, taken once (the loader's own, Fabric; else the trainer's plan)."""
-    pending = getattr(loader, PLAN_ATTR, None)  # Fabric: FabricRNGState gives each loader its own
-    if pending is not None:
-        setattr(loader, PLAN_ATTR, None)
-        return pending  # type: ignore[no-any-return]
+def _plan_slot(trainer: Any, loader: Any) -> int | None:
+    """The index of ``loader``'s entry in the trainer's plan, if it has one."""
     plan = getattr(trainer, PLAN_ATTR, None)
     if not plan:
         return None
@@ -84,6 +80,33 @@ def take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
     slot = next((i for i, other in enumerate(loaders) if other is loader), None)
     if slot is None or slot >= len(plan) or plan[slot] is None:
         return None
+    return slot
+
+
+def peek_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
+    """The saved position this loader will resume at (:func:`take_resume`), left in place.
+
+    Examples:
+        >>> peek_resume(None, DataLoader(range(3))) is None
+        True
+    """
+    pending = getattr(loader, PLAN_ATTR, None)
+    if pending is not None:
+        return pending  # type: ignore[no-any-return]
+    slot = _plan_slot(trainer, loader)
+    return None if slot is None else getattr(trainer, PLAN_ATTR)[slot]  # type: ignore[no-any-return]
+
+
+def take_resume(trainer: Any, loader: Any) -> dict[str, Any] | None:
+    """The saved position this loader resumes at, taken once (the loader's own, Fabric; else the trainer's plan)."""
+    pending = getattr(loader, PLAN_ATTR, None)  # Fabric: FabricRNGState gives each loader its own
+    if pending is not None:
+        setattr(loader, PLAN_ATTR, None)
+        return pending  # type: ignore[no-any-return]
+    slot = _plan_slot(trainer, loader)
+    if slot is None:
+        return None
+    plan = getattr(trainer, PLAN_ATTR)
     state, plan[slot] = plan[slot], None
     if all(entry is None for entry in plan):
         setattr(trainer, PLAN_ATTR, None)
@@ -260,6 +283,7 @@ __all__ = [
     "next_train_epoch",
     "order_depends_on_epoch_only",
     "loader_shape",
+    "peek_resume",
     "set_plan",
     "shape_change",
     "stock_positions",

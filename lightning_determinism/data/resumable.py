@@ -37,11 +37,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_determinism._compat.checks import set_sampler_epoch
 from lightning_determinism._compat.data import base_index_sampler, loader_iterator
+from lightning_determinism._process import distributed
 from lightning_determinism.data import deal as deals
 from lightning_determinism.data._index_skip import DealtOnce, SkipOnce, prime
 from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
-from lightning_determinism.data.positions import current_epoch, is_converted, shape_change, take_resume
+from lightning_determinism.data.positions import current_epoch, is_converted, peek_resume, shape_change, take_resume
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.stream_loader import create_stream_iterator
 from lightning_determinism.errors import DeterminismWarning
@@ -82,6 +83,7 @@ class ResumableLoaderMixin:
     _ldet_skip_sampler: SkipOnce | None
     _ldet_order: list[int] | None  # a dealt rest of an epoch the next iterator serves first (see data.deal)
     _ldet_dealt: dict[str, Any] | None  # the deal the current epoch was dealt by, for the next checkpoint
+    _ldet_deal_checked: dict[str, Any] | None  # the saved deal already checked (and said) before its first batch
 
     def __iter__(self) -> Iterator[Any]:
         epoch = getattr(self, "_ldet_epoch", None)
@@ -89,11 +91,23 @@ class ResumableLoaderMixin:
             epoch.fill_(self._ldet_iterations)  # type: ignore[attr-defined]
             self._ldet_iterations += 1  # type: ignore[attr-defined]
         if self._ldet_resumable:
+            if self._ldet_trainer() is None:  # Fabric; under a Trainer, load_state_dict checks (see there)
+                self._ldet_check_deal(peek_resume(None, self))
             return _LazyIterator(self)  # type: ignore[arg-type]
         return self._ldet_fork(self._ldet_base().__iter__.__get__(self))
 
     def _ldet_base(self) -> Any:
         return type(self).__bases__[0]
+
+    def _ldet_check_deal(self, resume: dict[str, Any] | None) -> None:
+        """Refuse a rest of an epoch that cannot be dealt here, or say how it is dealt; once, before its first batch."""
+        deal = resume.get("deal") if resume is not None else None
+        if deal is None or self._ldet_deal_checked is deal or not deals.needs_deal(deal, self):
+            return
+        message = deals.check_dealable(deal, self, int(resume["epoch"]), one_process=not distributed())  # type: ignore[index]
+        self._ldet_deal_checked = deal
+        if message is not None:
+            rank_zero_warn(message, category=DeterminismWarning)
 
     def _ldet_fork(self, create: Any) -> Any:
         """``create()`` the iterator; fork its workers again if one is stuck (see the module notes)."""
@@ -119,7 +133,13 @@ class ResumableLoaderMixin:
         return {"position": "kept by lightning_determinism.RNGStateCheckpoint"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to do: the position is restored from ``RNGStateCheckpoint``'s entry."""
+        """The position is restored from ``RNGStateCheckpoint``'s entry; one that cannot be dealt here is refused.
+
+        Lightning calls this on a restart once the loaders are set up, before it creates their iterators: an error
+        here ends the run before training, cleanly (one raised from ``__iter__`` breaks Lightning's teardown, one at
+        the first batch comes after the hooks that start training).
+        """
+        self._ldet_check_deal(peek_resume(self._ldet_trainer(), self))
 
     def _ldet_snapshot(self, fresh: bool) -> dict[str, Any]:
         state = {**capture_cpu_streams(), "fresh": int(fresh)}
@@ -169,7 +189,7 @@ class ResumableLoaderMixin:
             return create()  # type: ignore[no-any-return]
         deal = resume.get("deal")
         if deal is not None and deals.needs_deal(deal, self):
-            return self._ldet_deal(deal, int(resume["epoch"]), create)
+            return self._ldet_deal(deal, int(resume["epoch"]), create, resume.get("epoch_start"))
         self._ldet_set_epoch(int(resume["epoch"]))
         start = resume.get("epoch_start")
         skip = int(resume.get("skip", 0))
@@ -211,14 +231,22 @@ class ResumableLoaderMixin:
             self._ldet_skip_sampler = None
             self._ldet_restore(now)
 
-    def _ldet_deal(self, deal: dict[str, Any], epoch: int, create: Any) -> Iterator[Any]:
-        """Serve this replica's share of the rest of an epoch interrupted on another number of replicas."""
-        deals.check_same_sampler(deal, self)
-        sampler = deals.stock_distributed_sampler(self)
-        rank, world = int(sampler.rank), int(sampler.num_replicas)  # type: ignore[union-attr]
+    def _ldet_deal(
+        self, deal: dict[str, Any], epoch: int, create: Any, start: dict[str, Any] | None = None
+    ) -> Iterator[Any]:
+        """Serve this replica's share of the rest of an epoch interrupted on another number of replicas.
+
+        ``start``: the dealt epoch's RNG states where the checkpoint was written inside it on this layout; the
+        iterator is created from them (its creation draws what the uninterrupted run's drew), then the states
+        restored from the checkpoint are put back.
+        """
+        self._ldet_check_deal({"deal": deal, "epoch": epoch})  # if it was not checked before the first batch
         self._ldet_set_epoch(epoch)
-        self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
-        self._ldet_order = deals.dealt_share(deal, epoch, rank, world)
+        now = self._ldet_snapshot(True)
+        if start is not None:
+            self._ldet_restore(start)
+        self._ldet_epoch_start = start if start is not None else self._ldet_snapshot(self._ldet_fresh())
+        self._ldet_order = deals.share_of(deal, self, epoch)
         self._ldet_dealt = deal
         try:
             iterator = create()
@@ -227,6 +255,8 @@ class ResumableLoaderMixin:
         finally:
             self._ldet_order = None
             self._ldet_skip_sampler = None
+            if start is not None:
+                self._ldet_restore(now)
 
     def _ldet_worker_replay(self, start: dict[str, Any], skip: int, create_single: Any) -> WorkerReplay | None:
         """With workers and no per-sample seeds: the replay that gives each worker its role (``_worker_replay``)."""
@@ -343,6 +373,7 @@ def _convert(dataloader: DataLoader, trainer: Any, resumable: bool) -> DataLoade
         dataloader._ldet_skip_sampler = None  # type: ignore[attr-defined]
         dataloader._ldet_order = None  # type: ignore[attr-defined]
         dataloader._ldet_dealt = None  # type: ignore[attr-defined]
+        dataloader._ldet_deal_checked = None  # type: ignore[attr-defined]
     dataloader._ldet_resumable = resumable  # type: ignore[attr-defined]
     dataloader._ldet_trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)  # type: ignore[attr-defined]
     return dataloader

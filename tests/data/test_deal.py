@@ -3,7 +3,7 @@
 import pytest
 from torch.utils.data import DistributedSampler
 
-from lightning_determinism.data.deal import dealt_share, epoch_order, rest_of_epoch
+from lightning_determinism.data.deal import check_dealable, dealt_share, epoch_order, rest_of_epoch, share_of
 
 
 def _deal(length=21, batch=2, drop_last=False, worlds=(2,), consumed=(3,)):
@@ -58,3 +58,32 @@ def test_drop_last_cuts_as_the_sampler_does():
     deal = _deal(drop_last=True)
     dealt = [dealt_share(deal, 0, rank, 4) for rank in range(4)]
     assert {len(share) for share in dealt} == {len(rest_of_epoch(deal, 0)) // 4}
+
+
+def _loader(**kwargs):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(range(21), **{"batch_size": 2, "shuffle": True, **kwargs})
+
+
+def test_one_process_takes_the_whole_rest_and_is_told_that_later_epochs_are_its_own_sampler():
+    deal = _deal()
+    message = check_dealable(deal, _loader(), 1, one_process=True)
+    assert "resumed on one process whose training loader samples with RandomSampler: the 10 samples" in message
+    assert "\n" not in message
+    assert share_of(deal, _loader(), 1) == rest_of_epoch(deal, 1)  # all of it, unpadded
+
+
+@pytest.mark.parametrize(
+    ("loader", "one_process", "match"),
+    [
+        (dict(), False, "sampled by RandomSampler on several ranks without a DistributedSampler: the rest of the"),
+        (dict(batch_size=1, batch_sampler=[[0, 1]], shuffle=False), True, "with a batch sampler of its own"),
+        (dict(batch_size=3), True, "whose batch 2 -> 3 since"),
+    ],
+    ids=["several-ranks", "batch-sampler", "batch-size"],
+)
+def test_what_cannot_be_dealt_is_refused_in_one_line(loader, one_process, match):
+    with pytest.raises(RuntimeError, match=match) as raised:
+        check_dealable(_deal(), _loader(**loader), 1, one_process=one_process)
+    assert "\n" not in str(raised.value)
