@@ -11,7 +11,9 @@ training, never silently different.
 - Said in one line (:func:`identity_note`), rank 0, before training: every other field of
   :func:`~lightning_determinism.callbacks.run_identity.run_identity` that differs, as ``name: old -> new``, with what
   it does; a new optimizer hyper-parameter is ignored (Lightning restores the optimizer's state, hyper-parameters
-  included), and a checkpoint that already ends training under the new limits trains nothing.
+  included), and a checkpoint that already ends training under the new limits trains nothing. Another world size or
+  mesh alone (and what follows from it: batches per epoch and rank, the invariant mode's ``K``) adds no line: the
+  resume on another layout says it in its own message.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 from lightning_determinism.callbacks.run_identity import identity_changes
 
 _STEP = ("global_batch_size", "micro_batch_size")
+# What follows from the number of ranks and their mesh: a resume on another layout says it in its own message (an
+# elastic resume, the deal of the rest of the epoch, the reseed), so these alone add no line.
+_LAYOUT = frozenset({"world_size", "mesh", "micro_batches_per_rank", "train_batches"})
 
 
 def interrupted_epoch(checkpoint: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -149,11 +154,14 @@ def identity_note(saved: Mapping[str, Any], current: Mapping[str, Any], finished
         Resuming a checkpoint written under another configuration: optimizer.lr: 0.1 -> 0.01 (... trains with 0.1, ...
         >>> identity_note({"max_epochs": 2}, {"max_epochs": 2}) is None
         True
+        >>> identity_note({"world_size": 2, "train_batches": 4}, {"world_size": 1, "train_batches": 8}) is None
+        True
     """
     changes = identity_changes(saved, current)
-    if not changes:
-        return None
     invariant = any(side.get(key) is not None for side in (saved, current) for key in _STEP)
+    layout = _LAYOUT | {"accumulate_grad_batches"} if invariant else _LAYOUT  # the invariant mode's K = B / (m W)
+    if all(change.partition(": ")[0] in layout for change in changes):
+        return None
     parts = []
     for change in changes:
         name, _, values = change.partition(": ")

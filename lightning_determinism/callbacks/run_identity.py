@@ -128,6 +128,24 @@ def run_identity(trainer: pl.Trainer) -> dict[str, Any]:
     return identity
 
 
+def fabric_identity(invariant: Mapping[str, Any] | None, world_size: int) -> dict[str, Any]:
+    """A Fabric loop's identity: what its strategy knows (the base seed, the world size, the invariant ``B, m, K``).
+
+    ``invariant``: the invariant mode's saved state (``global_batch_size``, ``micro_batch_size``), or ``None``.
+
+    Examples:
+        >>> identity = fabric_identity({"global_batch_size": 8, "micro_batch_size": 2, "step": 3}, world_size=2)
+        >>> identity["global_batch_size"], identity["micro_batches_per_rank"], identity["world_size"]
+        (8, 2, 2)
+    """
+    base = current_seeds()["base_seed"]
+    identity: dict[str, Any] = {"base_seed": None if base is None else int(base), "world_size": int(world_size)}
+    batch, micro = (invariant or {}).get("global_batch_size"), (invariant or {}).get("micro_batch_size")
+    identity["global_batch_size"], identity["micro_batch_size"] = batch, micro
+    identity["micro_batches_per_rank"] = int(batch) // int(micro) // int(world_size) if batch and micro else None
+    return identity
+
+
 def identity_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Every field whose value differs, as ``"name: old -> new"``, in ``current``'s order, then ``saved``'s.
 
@@ -153,4 +171,4 @@ def identity_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
 _UNKNOWN_WHEN_NONE = frozenset({"train_samples", "train_batches"})
 
 
-__all__ = ["identity_changes", "optimizer_identity", "run_identity"]
+__all__ = ["fabric_identity", "identity_changes", "optimizer_identity", "run_identity"]
