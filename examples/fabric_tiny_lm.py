@@ -5,7 +5,7 @@ weights; run it twice and every figure is the same. The corpus is generated here
 
     python examples/fabric_tiny_lm.py                # 2 processes (DDP over gloo), 1 on a 1-core machine
     python examples/fabric_tiny_lm.py --devices 1
-    python examples/fabric_tiny_lm.py --resume       # stop after an epoch, resume in a new process, compare
+    python examples/fabric_tiny_lm.py --resume       # save mid-epoch, resume in a new process, compare
     python examples/fabric_tiny_lm.py --record-baseline b.json    # then --compare-baseline b.json
 """
 
@@ -64,11 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2, help="data-loader workers per process")
     parser.add_argument("--sentences", type=int, default=1500, help="size of the generated corpus (default 1500)")
-    parser.add_argument("--resume", action="store_true", help="stop after an epoch, resume in a new process, compare")
+    parser.add_argument("--resume", action="store_true", help="save mid-epoch, resume in a new process, compare")
     parser.add_argument("--record-baseline", default=None, help="record the first steps' numbers into this file")
     parser.add_argument("--compare-baseline", default=None, help="check the first steps against this file")
     parser.add_argument("--save", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--save-after-epoch", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--save-in-epoch", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -100,8 +100,8 @@ def train(args: argparse.Namespace) -> str:
     )
     val_loss, val_ppl = DistributedMean().to(fabric.device), DistributedPerplexity().to(fabric.device)
 
-    rng = FabricRNGState(train_loader)  # every rank's RNG state and the loader's generator and epoch count
-    state = {"model": model, "optimizer": optimizer, "rng": rng, "epoch": 0}
+    rng = FabricRNGState(train_loader)  # every rank's RNG state and the loader's position: epoch, batches drawn
+    state = {"model": model, "optimizer": optimizer, "rng": rng, "epoch": 0, "step": 0}
     if args.resume_from:
         fabric.load(args.resume_from, state)
     baseline = args.record_baseline or args.compare_baseline
@@ -110,7 +110,7 @@ def train(args: argparse.Namespace) -> str:
 
     for epoch in range(state["epoch"], args.epochs):
         model.train()
-        for batch in train_loader:
+        for batch in train_loader:  # resumed mid-epoch: the rest of the interrupted epoch
             logits = model(batch["input_ids"])
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
             optimizer.zero_grad()
@@ -120,6 +120,10 @@ def train(args: argparse.Namespace) -> str:
             optimizer.step()
             if recorder:
                 recorder.after_optimizer_step(model, loss)
+            state["step"] += 1
+            half_way = state["step"] % len(train_loader) == len(train_loader) // 2
+            if args.save and epoch == args.save_in_epoch and half_way:
+                fabric.save(args.save, state)  # in the middle of the epoch, and go on: the uninterrupted run
         model.eval()
         with torch.no_grad():
             for batch in val_loader:
@@ -133,8 +137,6 @@ def train(args: argparse.Namespace) -> str:
         val_loss.reset()
         val_ppl.reset()
         state["epoch"] = epoch + 1
-        if args.save and state["epoch"] == args.save_after_epoch:
-            fabric.save(args.save, state)  # and go on: the uninterrupted run
     if recorder:
         recorder.finish()
     fingerprint = weights_fingerprint(model)
@@ -143,15 +145,15 @@ def train(args: argparse.Namespace) -> str:
 
 
 def resume_demo(args: argparse.Namespace) -> None:
-    """The uninterrupted run, which saves after an epoch, and that checkpoint resumed in a new process."""
-    stop = max(1, args.epochs // 2)
+    """The uninterrupted run, which saves in the middle of an epoch, and that checkpoint resumed in a new process."""
+    stop = args.epochs // 2
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "state.ckpt")
         straight, resumed = straight_and_resumed(
-            script_command(__file__, args), ["--save", path, "--save-after-epoch", str(stop)], ["--resume-from", path]
+            script_command(__file__, args), ["--save", path, "--save-in-epoch", str(stop)], ["--resume-from", path]
         )
-    print(f"uninterrupted {args.epochs} epochs:{'':22}{straight}")
-    print(f"saved after epoch {stop}, resumed: {resumed}")
+    print(f"{f'uninterrupted {args.epochs} epochs:':<44} {straight}")
+    print(f"{f'saved half-way into epoch {stop}, resumed:':<44} {resumed}")
     print("bitwise identical" if straight == resumed else "DIFFERENT")
 
 

@@ -42,6 +42,7 @@ from lightning_determinism.data import deal as deals
 from lightning_determinism.data._index_skip import DealtOnce, SkipOnce, prime
 from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
+from lightning_determinism.data.fabric_epoch import FabricEpochIterator
 from lightning_determinism.data.positions import current_epoch, is_converted, peek_resume, shape_change, take_resume
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.stream_loader import create_stream_iterator
@@ -93,6 +94,8 @@ class ResumableLoaderMixin:
         if self._ldet_resumable:
             if self._ldet_trainer() is None:  # Fabric; under a Trainer, load_state_dict checks (see there)
                 self._ldet_check_deal(peek_resume(None, self))
+            if epoch is not None and not getattr(self, "_ldet_stream", False):  # Fabric: the loop's draws counted
+                return FabricEpochIterator(self, lambda: _LazyIterator(self))
             return _LazyIterator(self)  # type: ignore[arg-type]
         return self._ldet_fork(self._ldet_base().__iter__.__get__(self))
 
@@ -184,7 +187,7 @@ class ResumableLoaderMixin:
             return self._ldet_create_stream(trainer, resume, create)
         self._ldet_dealt = None
         if resume is None:
-            self._ldet_set_epoch(current_epoch(trainer))
+            self._ldet_set_epoch(_loader_epoch(self, trainer))
             self._ldet_epoch_start = self._ldet_snapshot(self._ldet_fresh())
             return create()  # type: ignore[no-any-return]
         deal = resume.get("deal")

@@ -17,14 +17,16 @@ the Trainer's contract holds in a hand-written loop, at these points of Fabric's
    been iterated, as Fabric counts it for ``DistributedSampler.set_epoch``.
 
 :class:`~lightning_determinism.strategies.fabric_state.FabricRNGState` (re-exported here) goes into the state of
-``fabric.save``/``fabric.load``: every rank's RNG state and its loaders' generators and epoch counts, verified on
-restore like :class:`~lightning_determinism.RNGStateCheckpoint`, and in the invariant mode the step count (the strategy
-hands it its invariant state in ``save_checkpoint`` / ``load_checkpoint``). World-size-invariant training in a
-hand-written loop: :mod:`~lightning_determinism.strategies.fabric_invariant`.
+``fabric.save``/``fabric.load``: every rank's RNG state and its loaders' generators, epochs and positions inside an
+epoch (:mod:`~lightning_determinism.data.fabric_epoch`), verified on restore like
+:class:`~lightning_determinism.RNGStateCheckpoint`, and in the invariant mode the step count (the strategy hands it its
+invariant state in ``save_checkpoint`` / ``load_checkpoint``). World-size-invariant training in a hand-written loop:
+:mod:`~lightning_determinism.strategies.fabric_invariant`.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from lightning.fabric.strategies import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_determinism._compat.access import (
@@ -48,7 +50,7 @@ from lightning_determinism._compat.access import (
 )
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
-from lightning_determinism.data.resumable import make_fork_safe, make_resumable
+from lightning_determinism.data.resumable import make_resumable
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.invariance.invariant import describe, keep_local_gradients
@@ -57,7 +59,7 @@ from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.strategies.arguments import check_keywords, check_mesh_sizes, invariant_training
 from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
-from lightning_determinism.strategies.fabric_state import FabricRNGState
+from lightning_determinism.strategies.fabric_state import FabricRNGState, warn_unsaved_positions
 from lightning_determinism.strategies.invariant_clipping import clip_fabric_gradients_norm
 from lightning_determinism.strategies.launchers import destroy_gloo_group_at_exit
 from lightning_determinism.strategies.seeding_steps import SeedingProperties, SeedingSteps
@@ -121,6 +123,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         self.seed_workers, self.per_sample = seed_workers, per_sample
         self._ldet_seeding: LoaderSeeding | None = None
         self._ldet_model_ready = False
+        self._ldet_backwards = 0
+        self._ldet_loaders: list[weakref.ref[DataLoader]] = []
         super().__init__(*args, **kwargs)
         if self._ldet_invariant is not None and isinstance(self, DDPStrategy):
             replace_backward_sync_control(self, lambda _: self._ldet_invariant.control())  # type: ignore[union-attr]
@@ -191,6 +195,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         loop = self._ldet_invariant
         if loop is not None:
             loop.before_backward()
+        self._ldet_backwards += 1  # the loop trains on what its loaders gave it (see data.fabric_epoch)
         super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
         if loop is not None:
             loop.after_backward()
@@ -223,6 +228,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
         self._ldet_hand_invariant(state)
+        warn_unsaved_positions(state, [loader for ref in self._ldet_loaders if (loader := ref()) is not None])
         super().save_checkpoint(path, state, *args, **kwargs)  # type: ignore[misc]
 
     @override
@@ -244,22 +250,23 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
             loop.train_loader_set_up = True
         if is_stateful_loader(dataloader):  # litdata: its own position, saved by FabricRNGState at the last batch
             return make_stateful(dataloader, None)
-        stream = isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset)
-        if not self.seed_workers and not stream or not isinstance(dataloader, DataLoader):
+        if not isinstance(dataloader, DataLoader):
             return dataloader
         base = self._ldet_steps.base_seed
         if base is None:
             raise RuntimeError("`fabric.setup_dataloaders` ran before `fabric.launch()`: the base seed is unknown")
-        if self._ldet_seeding is None:
-            owner = f"{type(self).__name__}(per_sample=True)" if self.per_sample else type(self).__name__
-            self._ldet_seeding = LoaderSeeding(base, self.global_rank, self.per_sample, owner=owner)  # type: ignore[attr-defined]
         epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         if self.seed_workers:
+            if self._ldet_seeding is None:
+                owner = f"{type(self).__name__}(per_sample=True)" if self.per_sample else type(self).__name__
+                self._ldet_seeding = LoaderSeeding(base, self.global_rank, self.per_sample, owner=owner)  # type: ignore[attr-defined]
             self._ldet_seeding.prepare(dataloader, "train", epoch)
-        # A stream resumes mid-epoch (FabricRNGState keeps its position); map-style loaders between epochs.
-        dataloader = make_resumable(dataloader, None) if stream else make_fork_safe(dataloader)  # type: ignore[assignment]
+        # Every loader resumes mid-epoch: FabricRNGState keeps a stream's position, a map-style loader's batches drawn.
+        dataloader = make_resumable(dataloader, None)  # type: ignore[assignment]
         dataloader._ldet_epoch = epoch  # type: ignore[attr-defined]  # set at each iter() (see resumable)
         dataloader._ldet_iterations = 0  # type: ignore[attr-defined]
+        dataloader._ldet_backwards = lambda: self._ldet_backwards  # type: ignore[attr-defined]  # see data.fabric_epoch
+        self._ldet_loaders.append(weakref.ref(dataloader))
         return dataloader
 
     @override

@@ -14,6 +14,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import RandomSampler
 
 from lightning_determinism._compat.access import fabric_inner_loader, fabric_iterations, set_fabric_iterations
+from lightning_determinism.callbacks.run_identity import fabric_identity
+from lightning_determinism.data.fabric_epoch import fabric_position
 from lightning_determinism.data.positions import PLAN_ATTR
 from lightning_determinism.data.stateful import is_stateful_loader
 from lightning_determinism.errors import DeterminismWarning
@@ -52,12 +54,14 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
 
 
 def _position(loader: Any) -> dict[str, Any] | None:
-    """Where a stream or a stateful loader stands inside its epoch (``None``: between epochs, or map-style)."""
+    """Where a loader stands inside its epoch (``None``: between epochs)."""
     inner = _inner(loader)
     if is_stateful_loader(inner) and hasattr(inner, "_ldet_position_at"):
         return inner._ldet_position_at(inner._ldet_batches, finished=inner._ldet_epoch_done)  # type: ignore[no-any-return]
     position = getattr(inner, "_ldet_position", None)
-    if position is None or getattr(inner, "_ldet_epoch_done", True):
+    if position is None:  # map-style: the batches the loop drew in this epoch, and the epoch's RNG states
+        return fabric_position(inner, _iterations(loader) - 1)
+    if getattr(inner, "_ldet_epoch_done", True):
         return None
     return {"epoch": _iterations(loader) - 1, "stream": position.at(position.batches)}
 
@@ -67,7 +71,7 @@ def _resume_at(loader: Any, position: dict[str, Any] | None) -> None:
     if position is None:
         return
     inner = _inner(loader)
-    if "stream" in position:  # the next iter() serves the interrupted epoch again
+    if "stream" in position or "skip" in position:  # the next iter() serves the interrupted epoch again
         set_fabric_iterations(loader, int(position["epoch"]))
         inner._ldet_iterations = int(position["epoch"])
     setattr(inner, PLAN_ATTR, position)
@@ -76,6 +80,27 @@ def _resume_at(loader: Any, position: dict[str, Any] | None) -> None:
 def _iterations(loader: Any) -> int:
     """How many times the loader was iterated (its epoch, as Fabric counts it)."""
     return int(getattr(_inner(loader), "_ldet_iterations", fabric_iterations(loader)))
+
+
+def warn_unsaved_positions(state: Any, loaders: list[Any]) -> None:
+    """At ``fabric.save``: say which of ``loaders`` stands inside an epoch no ``FabricRNGState`` in ``state`` keeps.
+
+    A loop resumed from such a checkpoint starts that loader over instead of continuing its epoch.
+    """
+    held = {id(_inner(loader)) for obj in (state.values() if isinstance(state, dict) else ())
+            if isinstance(obj, FabricRNGState) for loader in obj.loaders}  # fmt: skip
+    for loader in loaders:
+        if id(loader) in held or _position(loader) is None:
+            continue
+        name = type(getattr(loader, "dataset", loader)).__name__
+        rank_zero_warn(
+            f"`fabric.save` {int(getattr(loader, '_ldet_drawn', 0)) or 'some'} batches into epoch"
+            f" {_iterations(loader) - 1} of the loader over `{name}`, whose position no `{FABRIC_STATE_KEY}` in the"
+            " saved state holds: a loop resumed from this checkpoint starts that loader over instead of continuing"
+            f" the epoch, and trains other batches than this run. Put `{FABRIC_STATE_KEY}(loader)` in the saved state"
+            " (its next iteration after `fabric.load` serves the rest of the epoch, bitwise), or save between epochs.",
+            category=DeterminismWarning,
+        )
 
 
 class FabricRNGState:
@@ -89,12 +114,15 @@ class FabricRNGState:
 
     Restores, per rank, the python, numpy, torch (CPU and CUDA) and tracker streams, each loader's generators and
     the number of times it was iterated (Fabric's ``DistributedSampler`` epoch and the per-sample seeds follow it),
-    then verifies that every rank holds its own saved state. Map-style loaders: save between epochs (their position
-    inside an epoch is not kept). Streams (an ``IterableDataset``, litdata's ``StreamingDataLoader``) keep their
-    position: saved mid-epoch, the next ``iter(loader)`` after loading continues the interrupted epoch at the exact
-    sample (docs/streaming.md). A checkpoint from another world size: a warning, every rank reseeds from
-    ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived — reproducible, not the
-    uninterrupted run; never one rank's state copied to all.
+    then verifies that every rank holds its own saved state. A map-style loader saved mid-epoch keeps the batches the
+    loop drew and the RNG states of the epoch's order: the next ``iter(loader)`` after loading serves the rest of the
+    interrupted epoch, bitwise, also to a loop that skips the consumed batches by counting
+    (:mod:`~lightning_determinism.data.fabric_epoch`). Streams (an ``IterableDataset``, litdata's
+    ``StreamingDataLoader``) keep their position: saved mid-epoch, the next ``iter(loader)`` after loading continues
+    the interrupted epoch at the exact sample (docs/streaming.md). A checkpoint from another world size: a warning,
+    every rank reseeds from ``derive_seed(base, "resume", iterations, rank)`` and loader generators are re-derived —
+    reproducible, not the uninterrupted run; never one rank's state copied to all; an interrupted map-style epoch
+    starts over.
 
     In the world-size-invariant mode (``global_batch_size``, ``micro_batch_size``) it also keeps the batch sizes and
     the optimizer steps taken, from which the micro-batch seeds derive: a resumed loop continues the step count. The
@@ -107,7 +135,7 @@ class FabricRNGState:
     Examples:
         >>> state = FabricRNGState()
         >>> sorted(state.state_dict())
-        ['base_seed', 'format', 'invariant', 'ranks', 'report', 'world_size']
+        ['base_seed', 'format', 'identity', 'invariant', 'ranks', 'report', 'world_size']
     """
 
     def __init__(self, *loaders: Any) -> None:
@@ -128,13 +156,15 @@ class FabricRNGState:
         local = {"rng": rng, "digest": digest(rng), "loaders": loaders}
         ranks = all_gather(local)
         base = current_seeds()["base_seed"]
+        invariant = self.invariant.state() if self.invariant is not None else None
         return {
             "format": _FORMAT,
             "world_size": len(ranks),
             "base_seed": -1 if base is None else int(base),
             "ranks": ranks,
             "report": determinism_report(),
-            "invariant": self.invariant.state() if self.invariant is not None else None,
+            "invariant": invariant,
+            "identity": fabric_identity(invariant, len(ranks)),  # the run's (Trainer: run_identity), for records
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -166,10 +196,17 @@ class FabricRNGState:
         base = int(state.get("base_seed", -1))
         base = base if base >= 0 else int(current_seeds()["base_seed"] or 0)
         if not same_world:
+            restarted = 0
+            for loader, saved in zip(self.loaders, entry["loaders"], strict=True):
+                position = saved.get("position") or {}
+                if "skip" in position:  # a map-style epoch's count of batches means other samples here: from its start
+                    _resume_at(loader, {"epoch": position["epoch"], "skip": 0, "epoch_start": None})
+                    restarted += 1
+            over = f" The interrupted epoch of {restarted} loader(s) starts over from its start." if restarted else ""
             rank_zero_warn(
                 f"The Fabric checkpoint was written by {state['world_size']} ranks and is loaded on {world_size}: each"
                 f" rank reseeds from derive_seed(base={base}, 'resume', {sum(iterations)}, rank); the run stays"
-                " reproducible but is not bitwise the uninterrupted one.",
+                f" reproducible but is not bitwise the uninterrupted one.{over}",
                 category=DeterminismWarning,
             )
             seed_all(derive_seed(base, "resume", sum(iterations), rank))

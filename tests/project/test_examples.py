@@ -151,7 +151,7 @@ def test_fabric_resume_demo_is_bitwise(resume_demos):
     out = resume_demos["fabric"]
     prints = re.findall(r":\s+([0-9a-f]{64})", out)
     assert len(prints) == 2 and prints[0] == prints[1]
-    assert "saved after epoch 1, resumed" in out and "bitwise identical" in out
+    assert "saved half-way into epoch 1, resumed" in out and "bitwise identical" in out
 
 
 @pytest.mark.distributed

@@ -130,6 +130,49 @@ def test_fabric_save_and_load_resume_bitwise_only_with_the_rng_state(tmp_path, w
     assert same is with_rng  # without the RNG state (epoch count, loader generators, streams) the runs part
 
 
+def _steps(fabric, steps, save_at=None, path=None, resume=None, skip=0, held=True):
+    """Dropout and 6 shuffled batches an epoch augmented in this process; ``skip``: batches the resumed loop drops by
+    counting (LitGPT's fast-forward); saves after step ``save_at`` (mid-epoch); the weights after ``steps`` steps."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(NoisyPoints(48), batch_size=8, shuffle=True))
+    state = {"model": model, "optimizer": optimizer, "rng": FabricRNGState(loader) if held else FabricRNGState()}
+    state["step"] = 0
+    if resume:
+        fabric.load(resume, state)
+    while state["step"] < steps:
+        for x, y in loader:
+            if skip:
+                skip -= 1
+                continue
+            optimizer.zero_grad()
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            state["step"] += 1
+            if state["step"] == save_at:
+                fabric.save(path, state)
+            if state["step"] == steps:
+                break
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_a_mid_epoch_save_resumes_bitwise_whether_or_not_the_loop_skips_the_consumed_batches(tmp_path):
+    straight = _steps(_fabric(), 10, save_at=3, path=tmp_path / "mid.ckpt")  # 3 of 6 batches into epoch 0
+    torch.manual_seed(999)  # whatever happened in between
+    resumed = _steps(_fabric(), 10, resume=tmp_path / "mid.ckpt")  # the loader serves the rest of the epoch
+    torch.manual_seed(999)
+    counted = _steps(_fabric(), 10, resume=tmp_path / "mid.ckpt", skip=3)  # LitGPT: drops as many as it trained
+    assert torch.equal(resumed, straight) and torch.equal(counted, straight)
+    with pytest.warns(DeterminismWarning, match="dropped 2 batches of `NoisyPoints`.* written 3 batches into epoch 0"):
+        _steps(_fabric(), 5, resume=tmp_path / "mid.ckpt", skip=2)  # another count: other batches, said
+
+
+def test_a_mid_epoch_save_of_a_loader_no_fabric_rng_state_holds_is_said(tmp_path):
+    with pytest.warns(DeterminismWarning, match="`fabric.save` 3 batches into epoch 0 of the loader over `Noisy"):
+        _steps(_fabric(), 3, save_at=3, path=tmp_path / "mid.ckpt", held=False)
+
+
 def _saved_rng_state(tmp_path):
     fabric = _fabric()
     fabric.setup(nn.Linear(1, 1))
@@ -144,6 +187,12 @@ def test_a_checkpoint_of_another_world_size_reseeds_with_a_warning(tmp_path):
     state["world_size"] = 2
     with pytest.warns(DeterminismWarning, match="written by 2 ranks and is loaded on 1: each rank reseeds"):
         FabricRNGState(loader).load_state_dict(state)
+    next(iter(loader))  # saved one batch into epoch 0: on another world size that epoch starts over
+    state = FabricRNGState(loader).state_dict()
+    state["ranks"], state["world_size"] = state["ranks"] * 2, 2
+    with pytest.warns(DeterminismWarning, match="The interrupted epoch of 1 loader.s. starts over from its start"):
+        FabricRNGState(loader).load_state_dict(state)
+    assert len(list(loader)) == 4 and loader._num_iter_calls == 1
 
 
 def test_malformed_or_mismatched_states_are_refused(tmp_path):
