@@ -64,17 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     report = sub.add_parser(
-        "report", help="the flags, versions and seeds in effect here, or recorded in a checkpoint or baseline file"
+        "report",
+        help="the flags, versions and seeds in effect here, or recorded in a checkpoint, a baseline file or a logger's"
+        " directory",
     )
-    report.add_argument("path", nargs="?", help="a Lightning checkpoint or a NumericalBaseline JSON file")
+    report.add_argument(
+        "path",
+        nargs="?",
+        help="a Lightning checkpoint, a NumericalBaseline JSON file, or a logger's output directory (CSV, TensorBoard)",
+    )
     report.add_argument("--json", action="store_true", help="print the raw report as JSON")
     compare = sub.add_parser(
         "compare",
-        help="compare two or more NumericalBaseline files with the first; exit 1 when any differs",
+        help="compare two or more NumericalBaseline files, or loggers' directories, with the first; exit 1 when any"
+        " differs",
         description="Each run against the first (the reference): its first step and quantity beyond tolerance, or"
-        " 'within tolerance'; then its peak memory and communication time.",
+        " 'within tolerance'; then its peak memory and communication time. Given loggers' output directories (CSV,"
+        " TensorBoard), the runs' determinism records: seeds, versions, flags, fingerprints, and what differs.",
     )
-    compare.add_argument("files", nargs="+", metavar="FILE", help="baselines (JSON); the first is the reference")
+    compare.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="baselines (JSON) or loggers' output directories; the first is the reference",
+    )
     compare.add_argument("--plot", metavar="OUT.png", help="draw the loss curves and the per-step divergence")
     compare.add_argument("--json", action="store_true", help="print the table as one JSON object")
     for name, what in (("rtol", "relative"), ("atol", "absolute")):
@@ -106,18 +119,38 @@ _INPUTS = {
 }
 
 
+# The inputs that may also be a logger's output directory (the determinism record, docs/record.md), and its files.
+_OR_LOGS = ("checkpoint or baseline file", "baseline file")
+_LOG_FILES = "hparams.yaml or TensorBoard event file"
+
+
+def _holds_logs(path: str, depth: int = 3) -> bool:
+    """Whether ``path`` or a directory up to ``depth`` levels below holds a logger's files (the standard library)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    if any(e.name == "hparams.yaml" or e.name.startswith("events.out.tfevents.") for e in entries if e.is_file()):
+        return True
+    return depth > 0 and any(_holds_logs(e.path, depth - 1) for e in entries if e.is_dir(follow_symlinks=False))
+
+
 def _unusable_input(path: str, kind: str) -> str | None:
     """Why ``path`` cannot be read as an input file of the given ``kind``, or None when it can.
 
     Examples:
         >>> _unusable_input("missing.json", "baseline file")
         'missing.json: no such file'
-        >>> _unusable_input(".", "baseline file")
-        '.: is a directory, not a baseline file'
+        >>> _unusable_input(".", "probe file")
+        '.: is a directory, not a probe file'
     """
     if os.path.isdir(path):
         if kind.startswith("checkpoint") and os.path.isfile(os.path.join(path, "meta.pt")):
             return None  # Lightning's distributed checkpoint (ModelParallelStrategy, FSDP): a directory
+        if kind in _OR_LOGS:
+            if _holds_logs(path):
+                return None  # a logger's output directory (CSV, TensorBoard): its record is read by the subcommand
+            return f"{path}: is a directory, not a {kind} (nor a logger's directory: no {_LOG_FILES} in it or below)"
         return f"{path}: is a directory, not a {kind}"
     if not os.path.exists(path):
         return f"{path}: no such file"

@@ -8,6 +8,7 @@ Every public name the documentation uses can be imported from here.
 from lightning_determinism import _moved
 from lightning_determinism.__about__ import __version__
 from lightning_determinism.callbacks import (
+    DeterminismRecord,
     NumericalBaseline,
     PreemptionCheckpoint,
     ReplicaGuard,
@@ -74,6 +75,7 @@ __all__ = [
     "BaselineMismatch",
     "BaselineRecorder",
     "DamagedCheckpointError",
+    "DeterminismRecord",
     "DeterminismWarning",
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",

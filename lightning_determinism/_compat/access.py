@@ -77,6 +77,11 @@ def device_mesh_of(strategy: Any) -> Any:
     return getattr(strategy, "_device_mesh", None)
 
 
+def logs_hyperparameters(obj: Any) -> bool:
+    """Whether Lightning logs a module's or datamodule's ``hparams_initial`` (``save_hyperparameters(logger=...)``)."""
+    return bool(_private(obj, "_log_hyperparams"))
+
+
 def dtensor_local(tensor: Any) -> Any:
     """A DTensor's local tensor itself (``to_local()`` is an autograd function; handlers run below autograd)."""
     return _private(tensor, "_local_tensor")
@@ -125,7 +130,9 @@ def keep_dtensor_tracker_from_syncing(mesh: Any) -> bool:
 
     if _private(dtensor_random, "_rng_tracker") is not None:
         return False
-    if not _private(dtensor_random, "is_rng_supported_mesh")(mesh) or mesh.device_type == "cpu":
+    if mesh.device_type == "cpu":  # first: torch's check warns on a CPU mesh, where the routed ops are complete
+        return False
+    if not _private(dtensor_random, "is_rng_supported_mesh")(mesh):
         return False
     tracker = _private(dtensor_random, "OffsetBasedRNGTracker")(mesh, run_state_sync=False)
     dtensor_random._rng_tracker = tracker
@@ -332,6 +339,7 @@ __all__ = [
     "keep_ignored_after_teardown",
     "launcher_start_method",
     "launcher_strategy",
+    "logs_hyperparameters",
     "metric_defaults",
     "module_trainer",
     "profiler_running",

@@ -3,6 +3,7 @@
     lightning-determinism report [PATH] [--json]
     lightning-determinism compare A.json B.json [C.json ...] [--plot out.png] [--json] [--rtol R] [--atol A]
                                   [--nonfinite-equal]
+    lightning-determinism compare LOGDIR_A LOGDIR_B [...] [--json]       # the determinism records of two runs
     lightning-determinism diagnose A.json B.json [--json]
 
 Exit status: 0 when the runs agree (``compare``, ``diagnose``) or the report was printed, 1 when they diverge, 2 on
@@ -33,6 +34,8 @@ from lightning_determinism.divergence.baseline_file import (
 )
 from lightning_determinism.divergence.baseline_runs import compare_runs
 from lightning_determinism.divergence.compare_text import print_runs, print_steps
+from lightning_determinism.divergence.logger_record import RecordError
+from lightning_determinism.divergence.record_compare import compare_records, is_record_path, report_record
 
 
 class _BadInput(Exception):
@@ -191,6 +194,8 @@ def describe_distributed_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.path is not None and is_record_path(args.path):
+        return report_record(args.path, args.json)
     if args.path is None:
         from lightning_determinism.seeding.backends import determinism_report
 
@@ -231,7 +236,24 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_records(args: argparse.Namespace) -> int:
+    """``compare`` on loggers' directories: their determinism records (docs/record.md)."""
+    baselines = [path for path in args.files if not is_record_path(path)]
+    if baselines:
+        raise _BadInput(
+            f"compare takes either baseline files or loggers' directories, not both: {baselines[0]} is a baseline"
+            f" file, {next(p for p in args.files if is_record_path(p))} a logger's output"
+        )
+    given = [f"--{name}" for name in ("plot", "rtol", "atol") if getattr(args, name) is not None]
+    given += ["--nonfinite-equal"] if args.nonfinite_equal else []
+    if given:
+        raise _BadInput(f"{given[0]} applies to baseline files; loggers' records are compared entry by entry")
+    return compare_records(args.files, args.json)
+
+
 def _compare(args: argparse.Namespace) -> int:
+    if any(is_record_path(path) for path in args.files):
+        return _compare_records(args)
     if args.plot:
         from lightning_determinism.divergence._compare_plot import PlotError, check_plot_path
 
@@ -313,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     command = {"report": _report, "compare": _compare, "diagnose": _diagnose}[args.command]
     try:
         return int(command(args))
-    except (_BadInput, BaselineFileError, ProbeFileError) as err:
+    except (_BadInput, BaselineFileError, ProbeFileError, RecordError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

@@ -78,6 +78,7 @@ class SeedingSteps:
         self.dtensor_random_routed = False  # DTensor random ops drawn whole (mesh rule), undone by restore_env()
         self.base_seed: int | None = None
         self.local_seed: int | None = None
+        self.seed_source: str | None = None  # "given", "seed_everything" or "drawn" (on rank 0, then broadcast)
         self._source = ""
         # What this process's environment held before the strategy touched it; restore_env() puts it back.
         self.saved_env: dict[str, str | None] = {CUBLAS_ENV: os.environ.get(CUBLAS_ENV)}
@@ -101,11 +102,11 @@ class SeedingSteps:
         for key in (*SEED_ENV, CUBLAS_ENV):
             self.saved_env.setdefault(key, os.environ.get(key))
         if self.seed is not None:
-            source = "given to the strategy"
+            source, self.seed_source = "given to the strategy", "given"
         elif os.environ.get("PL_GLOBAL_SEED") is not None:
-            source = "taken from PL_GLOBAL_SEED (seed_everything)"
+            source, self.seed_source = "taken from PL_GLOBAL_SEED (seed_everything)", "seed_everything"
         else:
-            source = "drawn on rank 0: pass seed=<it> to the strategy to repeat this run"
+            source, self.seed_source = "drawn on rank 0: pass seed=<it> to the strategy to repeat this run", "drawn"
         base = resolve_base_seed(self.seed, rank, world_size, use_pl_global_seed=True)
         spec = self.topology_spec
         if isinstance(spec, dict):
@@ -136,6 +137,7 @@ class SeedingSteps:
         base = broadcast_seed(check_seed(int(env), world_size, name="PL_GLOBAL_SEED")) if world_size > 1 else int(env)
         self._adopt(base, rank, reseed=False)
         self._source = "taken from seed_everything, called after the processes were launched"
+        self.seed_source = "seed_everything"
         return True
 
     def _adopt(self, base: int, rank: int, reseed: bool = True) -> None:

@@ -74,6 +74,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
             world-size-invariant training (the same bits on 1, 2, 4, ... processes; see docs/invariance.md).
         micro_batch_size: ``m``, samples per forward/backward pass: the training loader's ``batch_size``.
         invariant_threads: intra-op threads per process in the invariant mode (pinned; default 1).
+        log_record: log the determinism record (seeds, backends, versions, the model's fingerprints) through the
+            trainer's loggers with a :class:`~lightning_determinism.DeterminismRecord` (added unless the trainer has
+            one); ``False`` logs none of it (docs/record.md).
         args: passed on to the strategy.
         kwargs: passed on to the strategy.
 
@@ -100,9 +103,13 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         invariant_threads: int = 1,
+        log_record: bool = True,
         **kwargs: Any,
     ) -> None:
         check_keywords(type(self), DeterministicStrategyMixin, kwargs)
+        if not isinstance(log_record, bool):
+            raise TypeError(f"`log_record` must be a bool, got {log_record!r}")
+        self.log_record = log_record
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
         self.invariant: InvariantTraining | None = invariant_training(
             global_batch_size, micro_batch_size, invariant_threads, self._ldet_steps, debug_mode, topology
@@ -143,7 +150,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         adopt_parent_from_env()  # a popen child script: die with the rank-0 process that started it
         super().setup_environment()  # type: ignore[misc]
         destroy_gloo_group_at_exit()
-        self._add_rng_checkpoint()
+        self._add_callbacks()
         self._ldet_padding_warning.install()
         rank: int = self.global_rank  # type: ignore[attr-defined]
         world_size: int = self.world_size  # type: ignore[attr-defined]
@@ -174,13 +181,22 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
                     f" {int(mesh.shape[-1])} (a tensor-parallel rank's micro-batches are not its own)"
                 )
 
-    def _add_rng_checkpoint(self) -> None:
-        """Put an RNGStateCheckpoint among the trainer's callbacks unless the user did."""
+    def _add_callbacks(self) -> None:
+        """Put an RNGStateCheckpoint (and, with ``log_record``, a DeterminismRecord) among the trainer's callbacks.
+
+        A callback of the same class the user gave is kept instead (after the RNG state's restore: the record's
+        digests are those of the restored streams).
+        """
+        from lightning_determinism.callbacks.determinism_record import DeterminismRecord
         from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
 
         trainer = module_trainer(getattr(self, "lightning_module", None))
-        if trainer is not None and not any(isinstance(cb, RNGStateCheckpoint) for cb in trainer.callbacks):
-            trainer.callbacks.append(RNGStateCheckpoint())
+        if trainer is None:
+            return
+        wanted = (RNGStateCheckpoint, DeterminismRecord) if self.log_record else (RNGStateCheckpoint,)
+        for cls in wanted:
+            if not any(isinstance(cb, cls) for cb in trainer.callbacks):
+                trainer.callbacks.append(cls())
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]

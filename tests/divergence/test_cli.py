@@ -150,13 +150,16 @@ print(status, "torch" in sys.modules, "lightning_determinism" in sys.modules)
     assert result.stderr.splitlines() == [f"lightning-determinism: error: {missing}: no such file"]
 
 
+NOT_LOGS = " (nor a logger's directory: no hparams.yaml or TensorBoard event file in it or below)"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["compare", "{a}", "{missing}"], "{missing}: no such file"),
-        (["compare", "{tmp}", "{a}"], "{tmp}: is a directory, not a baseline file"),
+        (["compare", "{tmp}", "{a}"], "{tmp}: is a directory, not a baseline file" + NOT_LOGS),
         (["diagnose", "{missing}", "{a}"], "{missing}: no such file"),
-        (["report", "{tmp}"], "{tmp}: is a directory, not a checkpoint or baseline file"),
+        (["report", "{tmp}"], "{tmp}: is a directory, not a checkpoint or baseline file" + NOT_LOGS),
         (
             ["compare", "{a}", "{a}", "--plot", "{missing}/out.png"],
             "--plot {missing}/out.png: the directory {missing} does not exist",

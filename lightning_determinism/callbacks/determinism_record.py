@@ -1,0 +1,170 @@
+"""DeterminismRecord: the run's seeds, backends, versions and fingerprints in the experiment logger, where users look.
+
+At the start of fit, rank 0 logs the record (:mod:`~lightning_determinism.callbacks._record_entries`) through every
+logger's ``log_hyperparams``: flat ``determinism/...`` keys, so CSV's ``hparams.yaml``, TensorBoard's HParams tab,
+MLflow's parameters and W&B's config show them as they are. At every checkpoint save and at the end of fit it takes
+the model's fingerprint (:func:`~lightning_determinism.fingerprint`; the whole model's under FSDP2 and tensor
+parallel) and logs it — as a text where the logger has texts (TensorBoard), else as one more hyperparameter
+(``determinism/fingerprint/step_<n>``, ``determinism/fingerprint/final``) — and writes it into the checkpoint under
+``"lightning_determinism_fingerprint"``. ``lightning-determinism compare`` reads the record back from the loggers'
+directories (docs/record.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_determinism._compat.access import logs_hyperparameters
+from lightning_determinism.callbacks._record_entries import build_record, gather_streams, model_fingerprint, run_entries
+from lightning_determinism.callbacks.run_identity import run_identity
+from lightning_determinism.divergence.run_record import (
+    CHECKPOINT_KEY,
+    FINAL_FINGERPRINT,
+    FINGERPRINT_PREFIX,
+    fingerprint_key,
+)
+
+
+def _text_writer(logger: Any) -> Callable[..., Any] | None:
+    """The logger's ``add_text`` (TensorBoard's ``SummaryWriter``), or ``None`` for a logger without texts."""
+    experiment = getattr(logger, "experiment", None)
+    add_text = getattr(experiment, "add_text", None)
+    return add_text if callable(add_text) else None
+
+
+def log_record(loggers: Iterable[Any], record: dict[str, Any], user: dict[str, Any] | None = None) -> None:
+    """Log ``record`` through each logger's ``log_hyperparams`` (rank 0 only), the user's own entries kept.
+
+    ``user`` are the hyperparameters Lightning is about to log: logged in the same call, unchanged, so TensorBoard's
+    HParams tab (which shows a run's first set) shows both; a user's key equal to one of the record's wins.
+    """
+    user = dict(user or {})
+    params = {**{key: value for key, value in record.items() if key not in user}, **user}
+    for logger in loggers:
+        logger.log_hyperparams(params)
+        logger.save()
+
+
+def log_fingerprint(loggers: Iterable[Any], key: str, value: str, step: int) -> None:
+    """Log one fingerprint (rank 0 only): a text where the logger has texts, else a hyperparameter ``key``."""
+    for logger in loggers:
+        add_text = _text_writer(logger)
+        if add_text is not None:  # the checkpoints' fingerprints as one text series, by step
+            add_text(FINGERPRINT_PREFIX.rstrip("/") if key == fingerprint_key(step) else key, value, global_step=step)
+        else:
+            logger.log_hyperparams({key: value})
+        logger.save()
+
+
+def user_hyperparameters(trainer: pl.Trainer) -> dict[str, Any]:
+    """What Lightning's own ``log_hyperparams`` call logs right after ``on_fit_start`` (module, then datamodule)."""
+    out: dict[str, Any] = {}
+    module = trainer.lightning_module
+    if logs_hyperparameters(module):
+        out.update(module.hparams_initial)
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and logs_hyperparameters(datamodule):
+        out.update(datamodule.hparams_initial)
+    out.pop("_class_path", None)  # LightningCLI's, which Lightning does not log
+    return out
+
+
+class DeterminismRecord(Callback):
+    """Log the run's determinism record and the model's fingerprints through the trainer's loggers.
+
+    The deterministic strategies add one unless the trainer has one already or they are given ``log_record=False``.
+    Every rank takes part (the ranks' streams are gathered in one collective at the start of fit; a sharded model's
+    fingerprint is a collective); rank 0 logs. Nothing is drawn from any random stream.
+
+    Examples:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[DeterminismRecord()], logger=False, enable_progress_bar=False)
+        >>> any(isinstance(cb, DeterminismRecord) for cb in trainer.callbacks)
+        True
+    """
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+        self._by_step: dict[int, list[str]] = {}
+        self._evaluation_fingerprint: str | None = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged, self._by_step, self._evaluation_fingerprint = set(), {}, None
+        if not trainer.loggers:  # the same on every rank: no collective either
+            return
+        ranks = gather_streams()
+        if not trainer.is_global_zero:
+            return
+        record = build_record(trainer.strategy, ranks, run_identity(trainer), trainer.precision)
+        user = user_hyperparameters(trainer)
+        self._logged = set(record)
+        log_record(trainer.loggers, record, user)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The data's length is known once the fit loop has set up its loaders: logged now, if it was not then.
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
+        late = {key: value for key, value in run_entries(run_identity(trainer)).items() if key not in self._logged}
+        if late:
+            self._logged.update(late)
+            for logger in trainer.loggers:
+                logger.log_hyperparams(late)
+                logger.save()
+
+    def _fingerprint(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        strategy = trainer.strategy
+        state_dict = strategy.lightning_module_state_dict if isinstance(strategy, FSDPStrategy) else None
+        return model_fingerprint(pl_module, trainer.global_rank, state_dict)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A PreemptionCheckpoint may save during this pass on rank 0 alone: a sharded model's fingerprint (a
+        # collective) is taken now, on every rank, for it. The pass changes no weight.
+        from lightning_determinism.callbacks.preemption import PreemptionCheckpoint
+
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        if any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+            self._evaluation_fingerprint = self._fingerprint(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._evaluation_fingerprint = None
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        cached = self._evaluation_fingerprint
+        value = cached if cached is not None and not trainer.training else self._fingerprint(trainer, pl_module)
+        if value is None:  # not rank 0: rank 0 writes the checkpoint (a distributed one's metadata too)
+            return
+        step = int(trainer.global_step)
+        checkpoint[CHECKPOINT_KEY] = {"fingerprint": value, "global_step": step}
+        seen = self._by_step.setdefault(step, [])
+        if value in seen:  # the same weights saved again at this step (last.ckpt beside a top-k file)
+            return
+        seen.append(value)
+        log_fingerprint(trainer.loggers, fingerprint_key(step, len(seen) - 1), value, step)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.loggers:
+            return
+        value = self._fingerprint(trainer, pl_module)
+        if value is not None:
+            log_fingerprint(trainer.loggers, FINAL_FINGERPRINT, value, int(trainer.global_step))
+
+
+__all__ = ["DeterminismRecord", "log_fingerprint", "log_record", "user_hyperparameters"]

@@ -1,0 +1,116 @@
+"""Reading the determinism record back from a logger's output directory: CSV's and TensorBoard's.
+
+A ``CSVLogger`` keeps its hyperparameters in ``<save_dir>/<name>/version_<n>/hparams.yaml``; a ``TensorBoardLogger``
+in the event file (``events.out.tfevents.*``) beside its own ``hparams.yaml`` (written once, at the start of fit), and
+the fingerprints as texts of the event file. :func:`read_record` takes such a version directory, a directory above
+exactly one of them, or one of the files, and returns the record's flat ``determinism/...`` entries
+(:mod:`~lightning_determinism.divergence.run_record`). The event file is read by
+:mod:`~lightning_determinism.divergence._event_file` (no TensorBoard needed); YAML by PyYAML, which Lightning requires.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_determinism.divergence._event_file import EventFileError, read_event_file
+from lightning_determinism.divergence.run_record import FINGERPRINT_PREFIX, PREFIX, record_of
+
+HPARAMS_FILE = "hparams.yaml"
+EVENTS_GLOB = "events.out.tfevents.*"
+_MAX_DEPTH = 3  # save_dir / name / version_n: a directory a user may point at holds the logs that deep
+
+
+class RecordError(ValueError):
+    """A path that holds no readable determinism record (said in one line, exit status 2)."""
+
+
+def _holds_logs(directory: Path) -> bool:
+    return (directory / HPARAMS_FILE).is_file() or any(directory.glob(EVENTS_GLOB))
+
+
+def log_directories(path: Path) -> list[Path]:
+    """The directories at or below ``path`` (three levels at most) that hold a logger's files, sorted."""
+    found: list[Path] = []
+    level = [path]
+    for _ in range(_MAX_DEPTH + 1):
+        found.extend(d for d in level if _holds_logs(d))
+        level = sorted(child for d in level if not _holds_logs(d) for child in d.iterdir() if child.is_dir())
+    return sorted(found)
+
+
+def _yaml_hparams(path: Path) -> dict[str, Any]:
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        """Safe, and a user's python-tagged hyperparameter (a Namespace, a class) reads as its tag, not an error."""
+
+    _Loader.add_multi_constructor("", lambda loader, suffix, node: f"<{suffix}>")
+    try:
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506  (a safe loader)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise RecordError(f"{path}: not a readable hparams.yaml ({str(err).splitlines()[0]})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise RecordError(f"{path}: hparams.yaml holds a {type(loaded).__name__}, not a mapping")
+    return loaded
+
+
+def _event_hparams(path: Path) -> dict[str, Any]:
+    try:
+        hparams, texts = read_event_file(path)
+    except (EventFileError, OSError) as err:
+        raise RecordError(f"{path}: not a readable TensorBoard event file ({err})") from None
+    for step, tag, text in texts:
+        if tag.startswith(FINGERPRINT_PREFIX):  # "determinism/fingerprint/final"
+            hparams[tag] = text
+        elif tag == FINGERPRINT_PREFIX.rstrip("/"):  # at a checkpoint: the step is the text's
+            hparams[f"{FINGERPRINT_PREFIX}step_{step}"] = text
+    return hparams
+
+
+def _read_files(files: list[Path]) -> dict[str, Any]:
+    hparams: dict[str, Any] = {}
+    for file in files:
+        hparams.update(_yaml_hparams(file) if file.suffix in (".yaml", ".yml") else _event_hparams(file))
+    return hparams
+
+
+def read_record(path: Path | str) -> tuple[dict[str, Any], Path]:
+    """The record a logger wrote at ``path``, and the directory (or file) it was read from.
+
+    An event file's entries are read over ``hparams.yaml``'s (TensorBoard writes that file once, before the
+    fingerprints); several event files of one directory in the order of their names (of their times).
+
+    Raises:
+        RecordError: if ``path`` holds no logger's files, the logs of several runs, or no record.
+    """
+    path = Path(path)
+    if path.is_file():
+        where, files = path, [path]
+    elif path.is_dir():
+        runs = log_directories(path)
+        if not runs:
+            raise RecordError(
+                f"{path}: no {HPARAMS_FILE} or TensorBoard event file in it or below (expected a logger's output"
+                " directory, such as lightning_logs/version_0)"
+            )
+        if len(runs) > 1:
+            shown = ", ".join(str(run) for run in runs[:4]) + (", ..." if len(runs) > 4 else "")
+            raise RecordError(f"{path}: holds the logs of {len(runs)} runs ({shown}); give one of them")
+        where = runs[0]
+        yaml_file = where / HPARAMS_FILE
+        files = ([yaml_file] if yaml_file.is_file() else []) + sorted(where.glob(EVENTS_GLOB))
+    else:
+        raise RecordError(f"{path}: no such file or directory")
+    record = record_of(_read_files(files))
+    if not record:
+        raise RecordError(
+            f"{where}: no determinism record in the logger's files (no {PREFIX}... entry: the run was not under a"
+            " deterministic strategy, or ran with log_record=False and no DeterminismRecord callback)"
+        )
+    return record, where
+
+
+__all__ = ["EVENTS_GLOB", "HPARAMS_FILE", "RecordError", "log_directories", "read_record"]
