@@ -24,22 +24,29 @@ from typing import Any
 import torch
 
 from lightning_determinism.checkpoints.file import DamagedCheckpointError, load_failure_message
-from lightning_determinism.checkpoints.publish import SHARD_MARK, check_save_parts
+from lightning_determinism.checkpoints.publish import SHARD_MARK, check_save_parts, verify_shard_digests
 
 META = "meta.pt"  # Lightning's _METADATA_FILENAME: rank 0's part of the checkpoint
 INDEX = ".metadata"  # DCP's index of the shards
 _OPTIMIZER = re.compile(r"optimizer_(\d+)")
 
 
-def check_distributed_checkpoint(path: str | Path) -> None:
-    """The cheap check of a distributed checkpoint directory: its files are there, whole as far as sizes tell.
+def check_distributed_checkpoint(path: str | Path, share: tuple[int, int] | None = (0, 1)) -> None:
+    """The check of a distributed checkpoint directory before it is loaded: its files are there, whole and unchanged.
 
     Rank 0's ``meta.pt`` and DCP's ``.metadata`` exist, and every shard file the index names exists and holds at
     least the bytes the index places in it (a deleted or truncated shard is found here, not by each rank's load).
-    Where the save marked its parts (:mod:`~lightning_determinism.checkpoints.publish`), they belong to one save.
+    Where the save marked its parts (:mod:`~lightning_determinism.checkpoints.publish`), they belong to one save, and
+    every shard file has the size and CRC-32 its rank recorded (a flipped bit is refused instead of loaded).
+
+    Args:
+        path: the directory.
+        share: ``(rank, world_size)``: which of the shard files' CRC-32s this process reads (every ``world_size``-th
+            from the ``rank``-th: ranks share the reading at load); ``(0, 1)``: all; ``None``: none (sizes only).
 
     Raises:
-        DamagedCheckpointError: naming the directory and the missing file, or the part of another save.
+        DamagedCheckpointError: naming the directory and the missing, cut short or changed file, or the part of
+            another save.
 
     Examples:
         >>> import tempfile
@@ -51,10 +58,10 @@ def check_distributed_checkpoint(path: str | Path) -> None:
         ...     print(str(err).replace(str(path), "step=3.ckpt"))
         step=3.ckpt: a damaged distributed checkpoint: no .metadata (torch.distributed.checkpoint's index of the shards; a save cut short, or not a distributed checkpoint)
     """  # noqa: E501
-    _checked_index(Path(path))
+    _checked_index(Path(path), share)
 
 
-def _checked_index(path: Path) -> Any:
+def _checked_index(path: Path, share: tuple[int, int] | None = (0, 1)) -> Any:
     """:func:`check_distributed_checkpoint`, returning the index it read (a load then need not unpickle it again)."""
     missing = {
         INDEX: "torch.distributed.checkpoint's index of the shards; a save cut short, or not a distributed checkpoint",
@@ -64,7 +71,9 @@ def _checked_index(path: Path) -> Any:
         if not (path / name).is_file():
             raise DamagedCheckpointError(f"{path}: a damaged distributed checkpoint: no {name} ({why})")
     index = _read_index(path)
-    _check_shard_files(path, index)
+    mark = _check_shard_files(path, index)
+    if mark is not None and share is not None:
+        verify_shard_digests(path, mark, share)
     return index
 
 
@@ -80,7 +89,7 @@ def _read_index(path: Path) -> Any:
         ) from err
 
 
-def _check_shard_files(path: Path, index: Any) -> None:
+def _check_shard_files(path: Path, index: Any) -> dict[str, Any] | None:
     """Every shard file the index names is there and long enough for the bytes the index says it holds."""
     needed: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
@@ -100,7 +109,7 @@ def _check_shard_files(path: Path, index: Any) -> None:
                 f"{path}: a damaged distributed checkpoint: the shard file {name} is cut short ({size} bytes, its"
                 f" index needs {end})"
             )
-    check_save_parts(path, index)  # shards, index and meta.pt of one save, not of two
+    return check_save_parts(path, index)  # shards, index and meta.pt of one save, not of two
 
 
 @functools.cache

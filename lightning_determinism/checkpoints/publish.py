@@ -7,9 +7,10 @@ save instead:
 
 1. writes every rank's part into a hidden sibling ``.NAME.TOKEN.tmp/`` (``_`` of the name spelt ``-``: Lightning's
    ``hpc_ckpt_N`` lookup and its ``last*.ckpt`` glob see none of it), the token drawn by rank 0 and broadcast;
-2. marks each part with the token: every rank's shard file holds the entry ``lightning_determinism_save_RANK``, and
-   rank 0 writes :data:`MARK` last, naming the token, the world size, the step and the size and CRC-32 of
-   ``meta.pt``;
+2. marks each part with the token: every rank's shard file holds the entry ``lightning_determinism_save_RANK``; each
+   rank takes the size and CRC-32 of the shard files it wrote (:func:`shard_digests`), and rank 0 writes
+   :data:`MARK` last, naming the token, the world size, the step, the size and CRC-32 of ``meta.pt`` and those of
+   every shard file;
 3. once every rank has written (a barrier), rank 0 publishes it: where the final name exists, the two directories
    are swapped in one ``renameat2(RENAME_EXCHANGE)`` (Linux), else the old one is renamed aside to
    ``.NAME.TOKEN.old`` and the new one into place; then the old one is deleted, with any leftover of a killed save.
@@ -17,7 +18,9 @@ save instead:
 At every instant the final name is the complete old checkpoint, the complete new one, or (between the two renames
 where the swap is not available) missing with both complete ones hidden beside it:
 :func:`finish_interrupted_publish` then puts the new one in place (the next save does, and the check before a resume
-from that name). :func:`check_save_parts` refuses a directory whose parts carry different marks.
+from that name). :func:`check_save_parts` refuses a directory whose parts carry different marks, and
+:func:`verify_shard_digests` a shard file whose bytes are not the ones its rank wrote (a flipped bit loads silently
+otherwise: DCP keeps no checksum).
 
 This module knows ``os`` and, to read a shard's mark, torch's DCP index; nothing of Lightning.
 """
@@ -33,6 +36,7 @@ import re
 import secrets
 import shutil
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +46,13 @@ MARK = "lightning_determinism_save.json"
 """Rank 0's record of the save a distributed checkpoint directory holds, written after every other part."""
 SHARD_MARK = "lightning_determinism_save_"
 """The prefix of the entry each rank adds to its shards: ``lightning_determinism_save_<rank>`` -> ``token:rank``."""
+SHARD_SUFFIX = ".distcp"
+"""DCP's shard files: ``__RANK_N.distcp``."""
 INDEX_NAME = ".metadata"  # DCP's index of the shards
 _META = "meta.pt"  # Lightning's rank 0 part (checkpoints.distributed.META; not imported: it imports this module)
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 _RENAME_EXCHANGE = 2
+_CHUNK = 1 << 22  # 4 MiB reads: zlib.crc32 at memory speed, a small buffer
 
 
 def new_token() -> str:
@@ -95,16 +102,37 @@ def shard_entries(token: str, rank: int) -> dict[str, str]:
     return {f"{SHARD_MARK}{rank}": f"{token}:{rank}"}
 
 
-def write_mark(directory: str | os.PathLike[str], token: str, world_size: int, step: int | None) -> None:
-    """Rank 0, after its ``meta.pt``: record the save (token, world size, step, ``meta.pt``'s size and CRC-32).
+def write_mark(
+    directory: str | os.PathLike[str],
+    token: str,
+    world_size: int,
+    step: int | None,
+    shards: dict[str, tuple[int, int]] | None = None,
+) -> None:
+    """Rank 0, after its ``meta.pt``: record the save (token, world size, step, sizes and CRC-32s of its files).
 
     ``meta.pt`` and the mark are synced to disk (DCP syncs the shards), so the rename publishes durable files.
+
+    Args:
+        directory: the hidden directory of the save.
+        token: the save's token.
+        world_size: how many ranks wrote shards.
+        step: the global step saved (``None`` where there is none).
+        shards: every shard file's ``(size, CRC-32)`` by name (:func:`shard_digests` of every rank); a shard file of
+            the directory not in it is read here.
     """
     directory = Path(directory)
     with open(directory / _META, "rb") as meta:
         os.fsync(meta.fileno())  # the bytes the mark vouches for are on disk before it is
     size, crc = _size_and_crc(directory / _META)
-    mark = {"token": token, "world_size": world_size, "global_step": step, "meta_size": size, "meta_crc32": crc}
+    digests = dict(shards or {})
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(SHARD_SUFFIX) and name not in digests:  # a file no rank claimed: DCP named it otherwise
+            digests[name] = _size_and_crc(directory / name)
+    mark = {
+        "token": token, "world_size": world_size, "global_step": step, "meta_size": size, "meta_crc32": crc,
+        "shards": {name: list(value) for name, value in sorted(digests.items())},
+    }  # fmt: skip
     with open(directory / MARK, "w") as file:
         json.dump(mark, file)
         file.flush()
@@ -113,10 +141,74 @@ def write_mark(directory: str | os.PathLike[str], token: str, world_size: int, s
 
 def _size_and_crc(path: Path) -> tuple[int, int]:
     crc, size = 0, 0
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    with open(path, "rb", buffering=0) as file:
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        while read := file.readinto(buffer):
+            crc, size = zlib.crc32(view[:read], crc), size + read  # zlib releases the GIL: files hash in threads
     return size, crc
+
+
+def shard_digests(directory: str | os.PathLike[str], rank: int) -> dict[str, tuple[int, int]]:
+    """Each rank, once its DCP save returned: the ``(size, CRC-32)`` of the shard files it wrote (``__RANK_*.distcp``).
+
+    Examples:
+        >>> import tempfile
+        >>> directory = Path(tempfile.mkdtemp())
+        >>> _ = (directory / "__1_0.distcp").write_bytes(b"shard")
+        >>> shard_digests(directory, 1), shard_digests(directory, 0)
+        ({'__1_0.distcp': (5, 2550246860)}, {})
+    """
+    directory = Path(directory)
+    prefix = f"__{rank}_"
+    return {
+        name: _size_and_crc(directory / name)
+        for name in sorted(os.listdir(directory))
+        if name.startswith(prefix) and name.endswith(SHARD_SUFFIX)
+    }
+
+
+def _recorded_shards(mark: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    shards = mark.get("shards") or {}
+    return {str(name): (int(value[0]), int(value[1])) for name, value in shards.items()}
+
+
+def verify_shard_digests(path: str | os.PathLike[str], mark: dict[str, Any], share: tuple[int, int] = (0, 1)) -> None:
+    """Check the shard files against the sizes and CRC-32s their ranks recorded in the save's mark.
+
+    A mark without digests (an earlier release) passes. Files are read in threads (zlib releases the GIL).
+
+    Args:
+        path: the distributed checkpoint directory.
+        mark: its :data:`MARK`, read (:func:`check_save_parts` returns it).
+        share: ``(rank, world_size)``: this process checks every ``world_size``-th file from the ``rank``-th (the
+            ranks share the reading at load); ``(0, 1)``: all of them.
+
+    Raises:
+        DamagedCheckpointError: one line naming the directory and the first shard file that does not match.
+    """
+    path = Path(path)
+    recorded = sorted(_recorded_shards(mark).items())
+    rank, world_size = share
+    mine = recorded[rank::world_size]
+    if not mine:
+        return
+    damaged = f"{path}: a damaged distributed checkpoint: the shard file"
+    for name, (size, _) in mine:
+        try:
+            found = (path / name).stat().st_size
+        except OSError:
+            raise DamagedCheckpointError(f"{damaged} {name} that {MARK} names is missing") from None
+        if found != size:
+            raise DamagedCheckpointError(f"{damaged} {name} is {found} bytes, its rank wrote {size}")
+    with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 8))) as pool:
+        computed = list(pool.map(lambda item: _size_and_crc(path / item[0]), mine))
+    for (name, (_, crc)), (_, found_crc) in zip(mine, computed, strict=True):
+        if found_crc != crc:
+            raise DamagedCheckpointError(
+                f"{damaged} {name} does not match the CRC-32 its rank recorded when it wrote it ({found_crc:08x},"
+                f" written {crc:08x}: flipped or overwritten bytes)"
+            )
 
 
 def publish(hidden: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
@@ -226,11 +318,14 @@ def _fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def check_save_parts(path: str | os.PathLike[str], index: Any) -> None:
+def check_save_parts(path: str | os.PathLike[str], index: Any) -> dict[str, Any] | None:
     """Refuse a distributed checkpoint directory whose parts come from different saves (see the module's docstring).
 
     A directory without :data:`MARK` and without marked shards (Lightning's own save, an earlier release) passes:
     nothing says what belongs together.
+
+    Returns:
+        The save's mark (for :func:`verify_shard_digests`), ``None`` for a directory without one.
 
     Args:
         path: the directory.
@@ -245,7 +340,7 @@ def check_save_parts(path: str | os.PathLike[str], index: Any) -> None:
     if not (path / MARK).is_file():
         if marked:
             raise DamagedCheckpointError(f"{mixed} its shards are marked with a save but {MARK} is missing")
-        return
+        return None
     try:
         mark = json.loads((path / MARK).read_text())
         token, world_size, step = str(mark["token"]), int(mark["world_size"]), mark["global_step"]
@@ -271,6 +366,7 @@ def check_save_parts(path: str | os.PathLike[str], index: Any) -> None:
     written_at = getattr(getattr(index, "storage_meta", None), "checkpoint_id", None)
     if written_at is not None and token not in os.fspath(written_at):
         raise DamagedCheckpointError(f"{mixed} its index {INDEX_NAME} is not the one {this} wrote")
+    return dict(mark)
 
 
 def _read_mark(path: Path, index: Any, key: str) -> tuple[str, str]:
@@ -305,12 +401,15 @@ def _meta_step(path: Path) -> str:
 __all__ = [
     "MARK",
     "SHARD_MARK",
+    "SHARD_SUFFIX",
     "check_save_parts",
     "finish_interrupted_publish",
     "finish_interrupted_publishes",
     "hidden_path",
     "new_token",
     "publish",
+    "shard_digests",
     "shard_entries",
+    "verify_shard_digests",
     "write_mark",
 ]
