@@ -18,6 +18,7 @@ from lightning_determinism import (
     DeterminismWarning,
     DeterministicFabricDDPStrategy,
     DeterministicFabricSingleDeviceStrategy,
+    DistributedMean,
     FabricRNGState,
     fingerprint,
 )
@@ -67,6 +68,14 @@ def _loop(fabric, mark=True, accumulate_last=False, step_early=False, save=None,
         state["epoch"] += 1
     if save is not None:
         fabric.save(save, state)
+    # Evaluation: 13 samples, one a batch; Fabric's sampler would pad them to 14 on 2 ranks, 16 on 4.
+    val_loader = fabric.setup_dataloaders(DataLoader(TensorDataset(*(t[:13] for t in _data().tensors)), batch_size=1))
+    val_loss = DistributedMean()
+    model.eval()
+    with torch.no_grad():
+        for x, y in val_loader:
+            val_loss.update((model(x) - y).pow(2).flatten())
+    snapshots[-1]["val"] = val_loss.compute()
     buffer = io.BytesIO()  # tensors through the launcher's queue would outlive the rank's shared memory
     torch.save(snapshots, buffer)
     return buffer.getvalue()
@@ -131,6 +140,12 @@ def test_one_two_and_four_fabric_ranks_give_the_same_parameters_after_every_step
     assert _prints(runs["single"]) == _prints(runs[1]) == _prints(runs[2]) == _prints(runs[4])
 
 
+def test_evaluation_counts_every_sample_once_on_one_two_and_four_ranks(runs):
+    values = [runs[w][-1]["val"] for w in (1, 2, 4)]  # after the last step; Fabric's sampler padded 2 and 4 ranks
+    assert values[0] == values[1] == values[2] and runs["single"][-1]["val"] == values[0]
+    assert values[0].dtype == torch.float64 and values[0].item() > 0
+
+
 def test_without_the_invariant_mode_the_parameters_differ(runs):
     assert len(runs["plain"]) == 4
     assert _prints(runs["plain"])[0] != _prints(runs[2])[0]
@@ -160,6 +175,14 @@ def test_the_step_count_travels_in_the_state_and_the_batch_sizes_must_match():
         other = _bound_state(step=3, **{name: value}).state_dict()
         with pytest.raises(ValueError, match=rf"`{name}` must be the checkpoint's .* expected {value} \(saved\), got"):
             _bound_state().load_state_dict(other)
+
+
+def test_the_state_carries_the_runs_identity(tmp_path):
+    torch.save({"rng": _bound_state(step=3).state_dict(), "plain": FabricRNGState().state_dict()}, tmp_path / "s.pt")
+    saved = torch.load(tmp_path / "s.pt", weights_only=True)
+    identity = {key: value for key, value in saved["rng"]["identity"].items() if key != "base_seed"}
+    assert identity == {"world_size": 1, "global_batch_size": 8, "micro_batch_size": 2, "micro_batches_per_rank": 4}
+    assert saved["plain"]["identity"]["global_batch_size"] is None
 
 
 def test_an_invariant_checkpoint_loaded_without_the_invariant_mode_warns():
