@@ -51,6 +51,7 @@ from lightning_determinism._compat.access import (
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.resumable import make_resumable
+from lightning_determinism.data.samplers import unpad_eval_dataloader
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.invariance.invariant import describe, keep_local_gradients
@@ -82,7 +83,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
             world-size-invariant training in a loop that marks its micro-batches
             (:mod:`~lightning_determinism.strategies.fabric_invariant`; DDP and one device).
         micro_batch_size: ``m``, samples per forward/backward pass: the ``batch_size`` of the training loader (the
-            first one passed to ``fabric.setup_dataloaders``).
+            first one passed to ``fabric.setup_dataloaders``). The loaders set up after it (evaluation) count every
+            sample once: Fabric's padding ``DistributedSampler`` becomes an ``UnpaddedDistributedSampler``.
         invariant_threads: intra-op threads per process in the invariant mode (pinned; default 1).
         args: passed on to the strategy.
         kwargs: passed on to the strategy.
@@ -248,6 +250,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
                 )
             dataloader = loop.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
             loop.train_loader_set_up = True
+        elif loop is not None:  # evaluation: every sample once (Fabric's DistributedSampler pads), as on one process
+            dataloader = unpad_eval_dataloader(dataloader)  # type: ignore[assignment]
         if is_stateful_loader(dataloader):  # litdata: its own position, saved by FabricRNGState at the last batch
             return make_stateful(dataloader, None)
         if not isinstance(dataloader, DataLoader):
