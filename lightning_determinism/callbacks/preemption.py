@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -52,8 +52,10 @@ class PreemptionCheckpoint(Callback):
             stop, what SLURM's requeue expects), or ``"signal"``: ``128 + signum`` (143 for ``SIGTERM``), what a
             shell reports for death by that signal, for schedulers that restart only failed processes (a Kubernetes
             Job's pod, TorchElastic's ``--max-restarts``). See docs/preemption.md.
-        signals: the signals that mean "preempted"; ``None`` is ``SIGTERM``, plus ``SIGUSR1`` when Lightning's SLURM
-            environment requeues the job (``auto_requeue``). Then Lightning's requeue runs at the step boundary too.
+        signals: the signals that mean "preempted"; ``None`` is ``SIGTERM``, plus the requeue signal (``SIGUSR1``)
+            when Lightning's SLURM environment requeues the job (``auto_requeue``). Then Lightning's requeue runs at
+            the step boundary too. The deterministic strategies add one for that signal alone under SLURM's
+            auto-requeue when the trainer has none (:func:`preemption_needed`).
 
     Raises:
         TypeError: for a ``filename`` that is not a string or an ``exit_code`` that is not an int.
@@ -85,6 +87,7 @@ class PreemptionCheckpoint(Callback):
         self.path: Path | None = None
         self._previous: dict[int, Any] = {}
         self._requeue = False
+        self._requeue_signal: int = signal.SIGUSR1  # SLURMEnvironment(requeue_signal=...) may name another
         self._evaluation = EvaluationStop()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -110,15 +113,15 @@ class PreemptionCheckpoint(Callback):
         # complete.
         if self._previous:
             return
-        environment = accelerator_connector(trainer).cluster_environment
-        self._requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        self._requeue, self._requeue_signal = _slurm_requeue_signal(trainer)
         signals = self.signals
         if signals is None:
-            signals = (signal.SIGTERM,) + ((signal.SIGUSR1,) if self._requeue else ())
+            signals = (signal.SIGTERM,) + ((self._requeue_signal,) if self._requeue else ())
         for signum in signals:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handler)
-        if not any(isinstance(cb, ModelCheckpoint) for cb in trainer.checkpoint_callbacks):
+        saves_its_own = any(not (self._requeue and signum == self._requeue_signal) for signum in signals)
+        if saves_its_own and not any(isinstance(cb, ModelCheckpoint) for cb in trainer.checkpoint_callbacks):
             rank_zero_warn(
                 "PreemptionCheckpoint: the trainer has no ModelCheckpoint, so a requeued run's"
                 f" fit(ckpt_path='last') will not find the preemption checkpoint; resume it with"
@@ -173,7 +176,7 @@ class PreemptionCheckpoint(Callback):
                 f"Preempted by signal {signum} during validation: the training state at step {trainer.global_step}"
                 f" written to {self.path} (the validation pass runs again after the resume)."
             )
-        if self._requeue and signum == signal.SIGUSR1 and trainer.is_global_zero:
+        if self._requeue and signum == self._requeue_signal and trainer.is_global_zero:
             requeue_slurm_job()  # Lightning requeues only from its own handler, which saves with every rank
         self._exit(trainer, signum)
 
@@ -187,7 +190,7 @@ class PreemptionCheckpoint(Callback):
         if not signum:
             return
         self.preempted = True
-        if self._requeue and signum == signal.SIGUSR1:
+        if self._requeue and signum == self._requeue_signal:
             # Lightning's requeue: it saves its HPC checkpoint (now at a step boundary) and requeues the job. Linked as
             # "last" too: a requeued job started with fit(ckpt_path="last") resumes it, not an older last.ckpt.
             self.path = Path(slurm_requeue(trainer, signum))
@@ -214,6 +217,43 @@ class PreemptionCheckpoint(Callback):
             checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
             dirpath = Path(checkpoint_dir) if checkpoint_dir else Path(trainer.default_root_dir)
         return dirpath / f"{self.filename}.ckpt"
+
+
+def _slurm_requeue_signal(trainer: pl.Trainer) -> tuple[bool, int]:
+    """Whether Lightning requeues this SLURM job itself (``auto_requeue``), and on which signal (``SIGUSR1``)."""
+    environment = accelerator_connector(trainer).cluster_environment
+    requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+    signum = getattr(environment, "requeue_signal", None) if requeue else None
+    return requeue, int(signum) if signum is not None else signal.SIGUSR1
+
+
+def preemption_needed(trainer: pl.Trainer) -> PreemptionCheckpoint | None:
+    """The :class:`PreemptionCheckpoint` a deterministic strategy adds where Lightning would save in mid-step.
+
+    Lightning's own handlers save on a signal in two cases, wherever the step stands: under SLURM's auto-requeue its
+    ``SIGUSR1`` handler writes the HPC checkpoint from inside the signal handler (mid forward, mid backward, mid
+    optimizer step), and an ``OnExceptionCheckpoint`` saves when ``SIGTERM`` stops the run after the batch (inside
+    an accumulation window too): either way the resumed run is silently another one. Then a ``PreemptionCheckpoint``
+    for those signals alone is returned (saying so once), which saves at the next optimizer-step boundary; ``None``
+    where the trainer has one of its own, or where nothing saves on a signal.
+    """
+    callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+    if any(isinstance(callback, PreemptionCheckpoint) for callback in callbacks):
+        return None
+    requeue, requeue_signal = _slurm_requeue_signal(trainer)
+    signals: list[int] = [requeue_signal] if requeue else []
+    if any(isinstance(callback, OnExceptionCheckpoint) for callback in callbacks):
+        signals.append(signal.SIGTERM)
+    if not signals:
+        return None
+    names = " and ".join(signal.Signals(signum).name for signum in signals)
+    why = "SLURM's auto-requeue" if requeue else "OnExceptionCheckpoint"
+    rank_zero_info(
+        f"PreemptionCheckpoint(signals=({names},)) added: under {why} Lightning would save in the middle of a"
+        " step on that signal, and the resumed run would differ; it saves at the next step boundary instead"
+        " (pass a PreemptionCheckpoint of your own to choose otherwise)."
+    )
+    return PreemptionCheckpoint(signals=tuple(signals))
 
 
 LAST_LINK = "last-preempted.ckpt"
@@ -279,4 +319,4 @@ def _agree(signum: int, trainer: pl.Trainer) -> int:
     return int(flag.item())
 
 
-__all__ = ["LAST_LINK", "PreemptionCheckpoint"]
+__all__ = ["LAST_LINK", "PreemptionCheckpoint", "preemption_needed"]

@@ -188,6 +188,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         digests are those of the restored streams).
         """
         from lightning_determinism.callbacks.determinism_record import DeterminismRecord
+        from lightning_determinism.callbacks.preemption import preemption_needed
         from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
 
         trainer = module_trainer(getattr(self, "lightning_module", None))
@@ -197,6 +198,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         for cls in wanted:
             if not any(isinstance(cb, cls) for cb in trainer.callbacks):
                 trainer.callbacks.append(cls())
+        preemption = preemption_needed(trainer) if trainer.state.fn == "fit" else None
+        if preemption is not None:  # Lightning's own handler would save mid-step (SLURM's SIGUSR1)
+            trainer.callbacks.append(preemption)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]

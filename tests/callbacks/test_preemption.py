@@ -152,3 +152,51 @@ def test_sigusr1_during_validation_under_slurm_saves_and_requeues_the_job(tmp_pa
     callback, trainer, code = _fit(tmp_path, module, default_root_dir=tmp_path, val_check_interval=2)
     assert code == 0 and callback.path == tmp_path / "preempted.ckpt" and callback.path.exists()
     assert fake_scontrol.read_text().split() == ["requeue", "7"]  # the job comes back instead of just ending
+
+
+def test_under_slurm_without_one_the_strategy_adds_it_so_sigusr1_saves_at_a_step_boundary(tmp_path, fake_scontrol):
+    # No PreemptionCheckpoint given: Lightning's own SIGUSR1 handler would write its HPC checkpoint in the middle of
+    # the step (here: before the forward of batch 1) and the run would go on; the resume would then differ.
+    from lightning_determinism.callbacks.preemption import PreemptionCheckpoint as Added
+    from tests.helpers.lightning_models import read_records
+
+    def trainer(root):
+        return quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=2, default_root_dir=root)
+
+    (tmp_path / "straight").mkdir()
+    trainer(tmp_path / "straight").fit(RecordingModule(str(tmp_path / "straight"), n=24, record_draws=False))
+    preempted = trainer(tmp_path)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            preempted.fit(_SignalAt(str(tmp_path), signal.SIGUSR1, at=1))
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    added = [cb for cb in preempted.callbacks if isinstance(cb, Added)]
+    assert stop.value.code == 0 and len(added) == 1 and added[0].signals == (signal.SIGUSR1,)
+    assert fake_scontrol.read_text().split() == ["requeue", "7"]
+    assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 2  # batch 1's step done
+    (tmp_path / "resumed").mkdir()
+    resumed = trainer(tmp_path)  # SLURM's auto-resume: ckpt_path=None finds hpc_ckpt_1.ckpt
+    resumed.fit(RecordingModule(str(tmp_path / "resumed"), n=24, record_draws=False))
+    [straight], [after] = read_records(tmp_path / "straight", 1), read_records(tmp_path / "resumed", 1)
+    assert after["final_digest"] == straight["final_digest"]
+
+
+def test_beside_on_exception_checkpoint_a_sigterm_saves_after_the_accumulation_window(tmp_path):
+    # Lightning stops on SIGTERM after the batch, inside the window too, and OnExceptionCheckpoint saves there: the
+    # gradients of the window's first micro-batch are lost on resume. The strategy adds a PreemptionCheckpoint for
+    # SIGTERM, which stops at the window's end; OnExceptionCheckpoint then saves that state.
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(seed=3), 1, max_epochs=1, accumulate_grad_batches=2,
+                            callbacks=[OnExceptionCheckpoint(tmp_path)], enable_checkpointing=True)  # fmt: skip
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            trainer.fit(_SignalAt(str(tmp_path), signal.SIGTERM, at=2))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    assert saved["global_step"] == 2  # micro-batches 2 and 3 make step 2: saved after 3, not after 2
+    assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 4
