@@ -14,6 +14,7 @@ written under a hidden name and published whole (:mod:`~lightning_determinism.ch
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
@@ -22,6 +23,7 @@ from typing_extensions import override
 from lightning_determinism._compat.access import model_parallel_sizes, module_trainer, saves_distributed_checkpoint
 from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
+from lightning_determinism.checkpoints.distributed import load_distributed_checkpoint
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.strategies.arguments import check_mesh_sizes
 from lightning_determinism.strategies.launchers import replace_launcher
@@ -85,7 +87,18 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load; a distributed checkpoint into a model ``configure_model`` left unsharded, whole.
+
+        ``configure_model`` commonly shards only when the data-parallel mesh has more than one rank: on one device
+        the model's parameters are plain tensors, which Lightning's loader refuses ("Could not find a distributed
+        model"). Such a model takes every tensor whole from the shards (and each optimizer its state, keyed by
+        parameter name as DCP saved it): the values the ranks held, bit for bit.
+        """
         check_before_load(checkpoint_path, self.global_rank)  # a torn or mixed directory: one line, before training
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir() and self.model is not None and not _has_dtensor(self.model):
+            strict = bool(getattr(self.lightning_module, "strict_loading", True))
+            return load_into_plain_model(path, self.model, list(self.optimizers), strict)
         return super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[no-any-return]
 
     @override
@@ -98,6 +111,41 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         if self.start_method != "popen" and environment is not None and not environment.creates_processes_externally:
             launcher = MultiProcessingLauncher(self, start_method=self.start_method)  # type: ignore[arg-type]
             self._launcher = replace_launcher(launcher, self)
+
+
+def _has_dtensor(module: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in module.parameters())
+
+
+def load_into_plain_model(path: Path, model: Any, optimizers: list[Any], strict: bool = True) -> dict[str, Any]:
+    """Load a distributed checkpoint directory into a model whose parameters are plain tensors; the rest returned.
+
+    Every tensor is read whole (:func:`~lightning_determinism.checkpoints.distributed.load_distributed_checkpoint`);
+    the optimizers' states, keyed by parameter name, are matched to the parameters by torch's
+    ``set_optimizer_state_dict``.
+
+    Returns:
+        The checkpoint without its weights and optimizer states (what Lightning's loader returns).
+
+    Raises:
+        RuntimeError: when the checkpoint holds another number of optimizer states than the run has optimizers.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    checkpoint = load_distributed_checkpoint(path)
+    model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+    states = checkpoint.pop("optimizer_states")
+    if states and len(states) != len(optimizers):
+        raise RuntimeError(
+            f"{path}: the checkpoint holds {len(states)} optimizer states and the run has {len(optimizers)} optimizers"
+        )
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    for optimizer, state in zip(optimizers, states, strict=False):
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
+        set_optimizer_state_dict(model, inner, optim_state_dict=state, options=options)
+    return checkpoint
 
 
 def register_model_parallel_strategy() -> list[str]:

@@ -99,6 +99,14 @@ def test_a_two_rank_mid_epoch_checkpoint_resumes_bitwise_on_another_number_of_ra
     assert runs["resumed"][ranks] == {step: state for step, state in runs["two"].items() if step > 3}
 
 
+def test_a_two_rank_checkpoint_resumes_bitwise_into_a_model_left_unsharded_on_one_device(runs, tmp_path):
+    # configure_model shards only when the data-parallel mesh has more than one rank: plain parameters on one device
+    # take the shards' tensors whole (Lightning's loader: "Could not find a distributed model")
+    resumed = _fit(tmp_path / "resumed-plain", 1, ckpt=runs["checkpoint"], shard_one=False)
+    assert resumed == {step: state for step, state in runs["two"].items() if step > 3}
+    assert resumed[8] == runs["plain"][8]  # the one-process run's final bits too
+
+
 def test_tensor_parallelism_is_refused_in_the_invariant_mode(tmp_path):
     with pytest.raises(Exception, match=r"needs `tensor_parallel_size=1`, got 2"):
         strategy = DeterministicModelParallelStrategy(
