@@ -76,13 +76,13 @@ def refuse_mid_epoch_changes(
         >>> refuse_mid_epoch_changes(saved, {"loops": loops}, None, 3, rank=0)
         Traceback (most recent call last):
         ...
-        RuntimeError: [rank: 0] The checkpoint was written 1 batches into epoch 0 with global_batch_size=8, ...
+        RuntimeError: [rank: 0] The checkpoint was written 1 batch into epoch 0 with global_batch_size=8, ...
     """
     where = interrupted_epoch(checkpoint)
     if where is None:
         return
     epoch, batches = where
-    head = f"[rank: {rank}] The checkpoint was written {batches} batches into epoch {epoch}"
+    head = f"[rank: {rank}] The checkpoint was written {batches} batch{'' if batches == 1 else 'es'} into epoch {epoch}"
     if "invariant" in saved:  # older entries hold no invariant settings: nothing to compare
         before = saved["invariant"]
         now = current_invariant.state() if current_invariant is not None else None

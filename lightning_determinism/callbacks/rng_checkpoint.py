@@ -188,6 +188,7 @@ class RNGStateCheckpoint(Callback):
         invariant = getattr(trainer.strategy, "invariant", None)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            self._adopt_saved_seed(trainer, saved, invariant)
             refuse_mid_epoch_changes(saved, checkpoint, invariant, current_seeds()["base_seed"], trainer.global_rank)
         self._saved_identity = saved.get("identity") if fitting else None
         if saved.get("identity") is None:  # an older checkpoint: its own warning (else said with the identity)
@@ -229,6 +230,24 @@ class RNGStateCheckpoint(Callback):
             worker_cb.load_loader_states(ranks[trainer.global_rank].get("loaders", {}))
         else:
             worker_cb.load_loader_states({}, resume_key=int(saved.get("global_step", 0)))
+
+    @staticmethod
+    def _adopt_saved_seed(trainer: pl.Trainer, saved: dict[str, Any], invariant: Any) -> None:
+        """Where this run drew its base seed (none given), take the checkpoint's: the resume continues that run."""
+        stored = saved.get("base_seed")
+        steps = getattr(trainer.strategy, "_ldet_steps", None)
+        adopt = getattr(steps, "adopt_resumed_seed", None)
+        if stored is None or int(stored) < 0 or adopt is None or not adopt(int(stored), trainer.global_rank):
+            return
+        if invariant is not None:
+            invariant.set_base_seed(int(stored))  # the micro-batch seeds and the invariant sampler's order
+        worker_cb = _worker_callback(trainer)
+        if worker_cb is not None:
+            worker_cb.follow_base_seed(int(stored), trainer.global_rank)
+        rank_zero_info(
+            f"This run drew its base seed (none given): the resumed checkpoint's, {int(stored)}, is taken instead, so"
+            f" the run continues the one it holds. Pass seed={int(stored)} to the strategy to say so."
+        )
 
     def _elastic_resume(
         self, trainer: pl.Trainer, saved: dict[str, Any], checkpoint: dict[str, Any], invariant: Any

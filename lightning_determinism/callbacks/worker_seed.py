@@ -90,6 +90,15 @@ class WorkerSeedCallback(Callback):
             self._strategy.__dict__.pop("process_dataloader", None)
             self._strategy = None
 
+    def follow_base_seed(self, base_seed: int, rank: int) -> None:
+        """Follow a base seed the strategy changed after :meth:`setup` (a resume taking its checkpoint's).
+
+        Unless ``seed`` was given; before the loaders are prepared.
+        """
+        if self.seed is None and self._seeding is not None:
+            self.base_seed = int(base_seed)
+            self._seeding.restart(self.base_seed, rank)
+
     def loader_states(self) -> dict[str, torch.Tensor]:
         """The state of every loader generator this callback created, by ``"stage/n"`` (for checkpoints)."""
         return self._seeding.loader_states() if self._seeding is not None else {}

@@ -140,6 +140,28 @@ class SeedingSteps:
         self.seed_source = "seed_everything"
         return True
 
+    def adopt_resumed_seed(self, base: int, rank: int) -> bool:
+        """A resume of a checkpoint written under ``base``: taken as the base seed where this run drew its own.
+
+        A drawn seed is arbitrary (none was given, no ``seed_everything``): the checkpoint's continues the run it holds
+        (the epoch's order, the per-sample, worker and micro-batch seeds). A given seed is kept. Every rank reads the
+        same checkpoint, so no collective. Returns whether the base seed changed.
+
+        Examples:
+            >>> steps = SeedingSteps()
+            >>> steps.saved_env.update({key: os.environ.get(key) for key in SEED_ENV})  # put back by restore_env()
+            >>> steps.base_seed, steps.seed_source = 123, "drawn"
+            >>> steps.adopt_resumed_seed(7, rank=0), steps.base_seed, steps.seed_source
+            (True, 7, 'checkpoint')
+            >>> steps.restore_env()
+        """
+        if self.seed_source != "drawn" or self.base_seed is None or int(base) == self.base_seed:
+            return False
+        self._adopt(int(base), rank, reseed=False)
+        self._source = "taken from the resumed checkpoint, as this run drew its own"
+        self.seed_source = "checkpoint"
+        return True
+
     def _adopt(self, base: int, rank: int, reseed: bool = True) -> None:
         self.base_seed = base
         self.local_seed = stream_seeds(base, self.topology)["default"] if self.topology else base + rank

@@ -3,6 +3,7 @@ accumulation, invariant step, seed or hyper-parameters each resume exactly, are 
 what will be repeated, skipped or ignored."""
 
 import json
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -136,7 +137,12 @@ STEP8 = {"global_batch_size": 8, "micro_batch_size": 4}  # K = 2 micro-batches o
 @pytest.fixture(scope="module")
 def invariant(straight):
     root, _, _ = straight
-    return root, _fit(root / "invariant", invariant=STEP8)  # 3 steps an epoch: step=1 mid-epoch, step=3 its end
+    # 3 steps an epoch: step=1 mid-epoch, step=3 its end; shuffled: the order follows derive_seed(base, epoch)
+    return (
+        root,
+        _fit(root / "invariant", invariant=STEP8),
+        _fit(root / "inv-shuffled", {"shuffle": True}, invariant=STEP8),
+    )
 
 
 def _said(record) -> list[str]:
@@ -167,7 +173,7 @@ def test_the_checkpoint_records_the_runs_identity(straight, invariant):
     ids=["another-global-batch", "invariant-to-plain"],
 )
 def test_another_invariant_step_mid_epoch_is_refused(invariant, tmp_path, resumed_with, match):
-    root, _ = invariant
+    root, _, _ = invariant
     with pytest.raises(
         RuntimeError, match=r"2 batches into epoch 0 with global_batch_size=8, micro_batch_size=4 " + match
     ):
@@ -189,7 +195,7 @@ def test_plain_to_invariant_mid_epoch_is_refused_the_same_way(straight, tmp_path
     ids=["another-global-batch", "invariant-to-plain"],
 )
 def test_another_invariant_step_at_an_epoch_boundary_is_said_in_one_line(invariant, tmp_path, resumed_with, changes):
-    root, _ = invariant
+    root, _, _ = invariant
     with pytest.warns(DeterminismWarning) as record:
         resumed = _fit(tmp_path, ckpt=root / "invariant" / "step=3.ckpt", invariant=resumed_with)
     assert _said(record) == [
@@ -235,3 +241,18 @@ def test_the_same_configuration_says_nothing_and_an_older_checkpoint_loads_as_be
     torch.save(checkpoint, tmp_path / "older.ckpt")
     assert _fit(tmp_path / "older", {"lr": 0.1}, ckpt=tmp_path / "older.ckpt") == ids[3:]
     assert _said(recwarn) == []
+
+
+def test_a_drawn_seed_takes_the_checkpoints_so_a_requeued_job_without_a_seed_continues_its_run(
+    invariant, tmp_path, monkeypatch
+):
+    # The preemption recipe passes no seed: each requeued job draws its own, whose order of the epoch (here the
+    # invariant mode's, derived from the base seed) is not the checkpoint's. The drawn seed gives way to it.
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    root, _, shuffled = invariant
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeterminismWarning)  # nothing to say: the run continues the saved one
+        resumed = _fit(
+            tmp_path, {"shuffle": True}, ckpt=root / "inv-shuffled" / "step=1.ckpt", seed=None, invariant=STEP8
+        )
+    assert resumed == shuffled[2:]  # after step 1's 2 micro-batches, every batch of the uninterrupted run, epoch 1 too
