@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_determinism._compat.access import extra_distributed_entries
 from lightning_determinism._process import distributed
 from lightning_determinism.checkpoints.distributed import META, check_distributed_checkpoint
-from lightning_determinism.checkpoints.file import DamagedCheckpointError
+from lightning_determinism.checkpoints.file import DamagedCheckpointError, verify_checksums
 from lightning_determinism.checkpoints.publish import (
     INDEX_NAME,
     SHARD_SUFFIX,
@@ -131,21 +131,24 @@ def check_before_load(path: Any, rank: int | None = None) -> None:
     """Every rank, before it loads a distributed checkpoint directory: its files are there, whole and of one save.
 
     On several processes the ranks share the reading of the shard files' CRC-32s (each its share) and agree in one
-    gather: every rank refuses, with the same line, or none does. A path that is not a local directory passes (a
-    single file, a remote URL: loaded as Lightning does).
+    gather: every rank refuses, with the same line, or none does. A local single file (``save_distributed_checkpoint
+    =False``) has its records checked against the CRC-32s torch stored with them; a remote URL passes (loaded as
+    Lightning does).
 
     Raises:
         DamagedCheckpointError: naming the directory and what is wrong, with the rank in front when given.
     """
     text = os.fspath(path)
-    local = "://" not in text and os.path.isdir(text)
+    local = "://" not in text
     share = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
     message = None
-    if local:
-        try:
+    try:
+        if local and os.path.isdir(text):
             check_distributed_checkpoint(text, share)
-        except DamagedCheckpointError as err:
-            message = str(err)
+        elif local and os.path.isfile(text):
+            verify_checksums(text)  # torch.load never checks them: a flipped bit would load
+    except DamagedCheckpointError as err:
+        message = str(err)
     if distributed():
         message = next((found for found in all_gather(message) if found is not None), None)
     if message is not None:

@@ -181,7 +181,13 @@ def _lightnings(cls: type, name: str) -> Any:
 
 
 def _uses_checkpoint_io(strategy: Any) -> bool:
-    """Whether the strategy saves and loads through its ``checkpoint_io`` (DDP, single device), as the base does."""
+    """Whether the strategy saves and loads through its ``checkpoint_io`` (DDP, single device), as the base does.
+
+    A strategy that writes its single-file checkpoints through it, but saves and loads otherwise in its own way (the
+    model-parallel one with ``save_distributed_checkpoint=False``), says so with ``_ldet_file_saves_through_io``.
+    """
+    if getattr(strategy, "_ldet_file_saves_through_io", False):
+        return True
     for base in (TrainerStrategy, FabricStrategy):
         if isinstance(strategy, base):
             return all(

@@ -56,6 +56,9 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
         (3, 'fork')
     """
 
+    # With `save_distributed_checkpoint=False` rank 0 writes one file through `checkpoint_io`: atomically, as ours.
+    _ldet_file_saves_through_io = True
+
     def __init__(self, *args: Any, start_method: str = "popen", **kwargs: Any) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"`start_method` must be one of {START_METHODS}, got {start_method!r}")

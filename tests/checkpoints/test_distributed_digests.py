@@ -179,3 +179,21 @@ def test_at_load_the_ranks_share_the_reading_and_every_rank_refuses_a_flipped_bi
     for rank in (0, 1):
         message = (tmp_path / f"error{rank}.txt").read_text()
         assert message.startswith(f"[rank: {rank}] {target}: a damaged distributed checkpoint: the shard file __0_0")
+
+
+def test_without_distributed_checkpoints_the_one_file_is_written_atomically_and_checked_before_its_load(tmp_path):
+    # save_distributed_checkpoint=False: rank 0 writes one file through the strategy's checkpoint_io (Lightning's
+    # TorchCheckpointIO: a copy through TMPDIR, cut short by a kill or a full disk).
+    from lightning_determinism import AtomicCheckpointIO
+
+    strategy = DeterministicModelParallelStrategy(save_distributed_checkpoint=False)
+    assert type(strategy.checkpoint_io) is AtomicCheckpointIO
+    path = tmp_path / "step=4.ckpt"
+    strategy.checkpoint_io.save_checkpoint({"state_dict": {"w": torch.arange(4096.0)}}, path)
+    assert os.listdir(tmp_path) == ["step=4.ckpt"]
+    check_before_load(path, 0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpointError, match=r"^\[rank: 0\] .*step=4\.ckpt: a damaged or truncated checkpoint"):
+        check_before_load(path, 0)
