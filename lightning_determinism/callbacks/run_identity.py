@@ -149,7 +149,8 @@ def fabric_identity(invariant: Mapping[str, Any] | None, world_size: int) -> dic
 def identity_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Every field whose value differs, as ``"name: old -> new"``, in ``current``'s order, then ``saved``'s.
 
-    A field absent on one side reads ``None`` there; a field unknown (``None``) on the resuming side is not compared.
+    A field absent on one side reads ``None`` there; the data's fields are compared only where both sides know them
+    (``None`` before the fit loop has set up its loaders).
 
     Examples:
         >>> identity_changes({"base_seed": 3, "optimizer.lr": 0.1}, {"base_seed": 3, "optimizer.lr": 0.01})
@@ -160,7 +161,7 @@ def identity_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
     changes = []
     for name in [*current, *(key for key in saved if key not in current)]:
         old, new = saved.get(name), current.get(name)
-        if new is None and name in _UNKNOWN_WHEN_NONE:
+        if (old is None or new is None) and name in _UNKNOWN_WHEN_NONE:
             continue
         if old != new:
             changes.append(f"{name}: {old} -> {new}")
