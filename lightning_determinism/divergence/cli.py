@@ -162,6 +162,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
             "base_seed": saved.get("base_seed"),
             "rng_state": _rng_contents(ranks),
             "loader_generators": sorted((ranks[0].get("loaders") or {}) if ranks else {}),
+            "identity": saved.get("identity"),  # the run's configuration (seed, batch sizes, optimizer, data, limits)
             "report": saved.get("report"),
         }
     )

@@ -111,6 +111,16 @@ def _checkpoint(tmp_path: Path, rng: dict, name: str = "last.ckpt") -> Path:
     return path
 
 
+def test_report_shows_the_identity_of_the_run_that_wrote_the_checkpoint(tmp_path, capsys):
+    path = _checkpoint(tmp_path, {"python": {}, "numpy": {}, "torch": torch.get_rng_state()})
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint[CHECKPOINT_KEY]["identity"] = {"base_seed": 3, "optimizer": "SGD", "optimizer.lr": 0.01}
+    torch.save(checkpoint, path)
+    assert cli.main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  identity\n" in out and "    optimizer.lr  0.01\n" in out
+
+
 @pytest.mark.parametrize(
     ("cuda", "listed"),
     [([], "1 rank(s): python, numpy, torch CPU"), ([torch.zeros(16, dtype=torch.uint8)] * 2, "CUDA (2 device(s))")],
