@@ -52,6 +52,7 @@ from lightning_determinism.strategies.fabric import (
     FabricRNGState,
     register_fabric_strategies,
 )
+from lightning_determinism.strategies.fabric_record import log_determinism_record, log_fingerprint
 from lightning_determinism.strategies.model_parallel import (
     DeterministicModelParallelStrategy,
     register_model_parallel_strategy,
@@ -118,6 +119,8 @@ __all__ = [
     "get_rng_tracker",
     "load_baseline",
     "load_probe",
+    "log_determinism_record",
+    "log_fingerprint",
     "model_parallel_seed",
     "perplexity",
     "register_fabric_strategies",

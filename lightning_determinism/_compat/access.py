@@ -82,6 +82,19 @@ def logs_hyperparameters(obj: Any) -> bool:
     return bool(_private(obj, "_log_hyperparams"))
 
 
+def launches_nothing(function: Any) -> bool:
+    """Whether a Fabric launcher was handed ``fabric.launch()`` without a function (Fabric's ``_do_nothing``).
+
+    Fabric hands its launcher ``partial(fabric._wrap_with_setup, function)``; without a function the loop goes on
+    after ``launch()`` returns, so the run has not ended then.
+    """
+    from lightning.fabric import fabric as module
+
+    nothing = _private(module, "_do_nothing")
+    args: tuple[Any, ...] = getattr(function, "args", ())
+    return function is nothing or (len(args) > 0 and args[0] is nothing)
+
+
 def dtensor_local(tensor: Any) -> Any:
     """A DTensor's local tensor itself (``to_local()`` is an autograd function; handlers run below autograd)."""
     return _private(tensor, "_local_tensor")
@@ -339,6 +352,7 @@ __all__ = [
     "keep_ignored_after_teardown",
     "launcher_start_method",
     "launcher_strategy",
+    "launches_nothing",
     "logs_hyperparameters",
     "metric_defaults",
     "module_trainer",

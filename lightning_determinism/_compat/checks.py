@@ -26,6 +26,9 @@ from lightning_determinism.errors import IncompatibleVersionError
 
 _import_error: ImportError | None = None
 try:  # the names themselves; a missing one is reported by check_compat() at the end of this module, with the others
+    from lightning.fabric.strategies.launchers.multiprocessing import (
+        _MultiProcessingLauncher as FabricMultiProcessingLauncher,
+    )
     from lightning.fabric.utilities.data import _set_sampler_epoch as set_sampler_epoch
     from lightning.fabric.utilities.distributed import _suggested_max_num_threads as suggested_max_num_threads
     from lightning.fabric.wrappers import _FabricDataLoader as FabricDataLoader
@@ -363,6 +366,7 @@ __all__ = [
     "AX_TYPE",
     "BatchNorm",
     "FabricDataLoader",
+    "FabricMultiProcessingLauncher",
     "LIGHTNING_FLOOR",
     "MultiProcessingLauncher",
     "PIECES",

@@ -13,6 +13,7 @@ directories (docs/record.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,6 +25,7 @@ from typing_extensions import override
 from lightning_determinism._compat.access import logs_hyperparameters
 from lightning_determinism.callbacks._record_entries import build_record, gather_streams, model_fingerprint, run_entries
 from lightning_determinism.callbacks.run_identity import run_identity
+from lightning_determinism.divergence.logger_record import HPARAMS_FILE
 from lightning_determinism.divergence.run_record import (
     CHECKPOINT_KEY,
     FINAL_FINGERPRINT,
@@ -39,6 +41,23 @@ def _text_writer(logger: Any) -> Callable[..., Any] | None:
     return add_text if callable(add_text) else None
 
 
+def _log_hyperparams(logger: Any, params: dict[str, Any]) -> None:
+    """``logger.log_hyperparams(params)``; Fabric's ``CSVLogger``, which has none, gets them in ``hparams.yaml``.
+
+    The file is the one the Trainer's ``CSVLogger`` writes in its ``log_dir``, so ``compare`` reads both alike.
+    """
+    try:
+        logger.log_hyperparams(params)
+    except NotImplementedError:
+        import yaml
+
+        _ = logger.experiment  # made first: it warns of a directory that already holds files
+        path = Path(logger.log_dir) / HPARAMS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        saved = yaml.safe_load(path.read_text()) if path.is_file() else None
+        path.write_text(yaml.safe_dump({**(saved or {}), **params}))
+
+
 def log_record(loggers: Iterable[Any], record: dict[str, Any], user: dict[str, Any] | None = None) -> None:
     """Log ``record`` through each logger's ``log_hyperparams`` (rank 0 only), the user's own entries kept.
 
@@ -48,7 +67,7 @@ def log_record(loggers: Iterable[Any], record: dict[str, Any], user: dict[str, A
     user = dict(user or {})
     params = {**{key: value for key, value in record.items() if key not in user}, **user}
     for logger in loggers:
-        logger.log_hyperparams(params)
+        _log_hyperparams(logger, params)
         logger.save()
 
 
@@ -59,7 +78,7 @@ def log_fingerprint(loggers: Iterable[Any], key: str, value: str, step: int) -> 
         if add_text is not None:  # the checkpoints' fingerprints as one text series, by step
             add_text(FINGERPRINT_PREFIX.rstrip("/") if key == fingerprint_key(step) else key, value, global_step=step)
         else:
-            logger.log_hyperparams({key: value})
+            _log_hyperparams(logger, {key: value})
         logger.save()
 
 
@@ -117,7 +136,7 @@ class DeterminismRecord(Callback):
         if late:
             self._logged.update(late)
             for logger in trainer.loggers:
-                logger.log_hyperparams(late)
+                _log_hyperparams(logger, late)
                 logger.save()
 
     def _fingerprint(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:

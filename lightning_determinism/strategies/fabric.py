@@ -60,6 +60,8 @@ from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.strategies.arguments import check_keywords, check_mesh_sizes, invariant_training
 from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
+from lightning_determinism.strategies.fabric_record import FabricRecord
+from lightning_determinism.strategies.fabric_run_end import end_run_with_launch
 from lightning_determinism.strategies.fabric_state import FabricRNGState, warn_unsaved_positions
 from lightning_determinism.strategies.invariant_clipping import clip_fabric_gradients_norm
 from lightning_determinism.strategies.launchers import destroy_gloo_group_at_exit
@@ -125,6 +127,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         self.seed_workers, self.per_sample = seed_workers, per_sample
         self._ldet_seeding: LoaderSeeding | None = None
         self._ldet_model_ready = False
+        self._ldet_record: FabricRecord | None = None  # set by log_determinism_record(fabric): fingerprints at saves
         self._ldet_backwards = 0
         self._ldet_loaders: list[weakref.ref[DataLoader]] = []
         super().__init__(*args, **kwargs)
@@ -147,6 +150,12 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         if not loop.launched:
             raise RuntimeError("`micro_batches_per_rank` is known once the ranks are: call `fabric.launch()` first")
         return loop.invariant.per_rank
+
+    @override
+    def _configure_launcher(self) -> None:  # type: ignore[misc]
+        super()._configure_launcher()  # type: ignore[misc]
+        # Fabric calls no teardown: a launched function's return ends the run, and the environment is put back.
+        end_run_with_launch(self, self._ldet_steps.restore_env)
 
     @override
     def setup_environment(self) -> None:  # type: ignore[misc]
@@ -231,6 +240,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
         self._ldet_hand_invariant(state)
         warn_unsaved_positions(state, [loader for ref in self._ldet_loaders if (loader := ref()) is not None])
+        if self._ldet_record is not None:  # the model's fingerprint into the file and the loggers (every rank)
+            self._ldet_record.on_save(state)
         super().save_checkpoint(path, state, *args, **kwargs)  # type: ignore[misc]
 
     @override

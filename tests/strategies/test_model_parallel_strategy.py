@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from lightning_determinism.divergence.run_record import CHECKPOINT_KEY
 from lightning_determinism.parallel.mesh import equalize_threads, mesh_topology
 from tests.helpers import run_distributed
 
@@ -144,6 +146,17 @@ def test_the_replica_guard_catches_the_mixins_old_rule(runs):
 def _threads(rank, world_size):
     torch.set_num_threads(1 + rank)  # as Lightning's popen launcher leaves rank 0 with more than its children
     assert equalize_threads() == 1 and torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize(("name", "dp", "tp"), [("tp2", 1, 2), ("dp2tp2", 2, 2)])
+def test_the_logged_fingerprints_are_the_whole_models(runs, name, dp, tp):
+    root, _ = runs
+    straight = root / name / "straight"
+    logged = yaml.safe_load((straight / "logs" / "version_0" / "hparams.yaml").read_text())
+    assert logged["determinism/fingerprint/final"] == ranks(root, name)[0]["final_fingerprint"]  # one process's
+    meta = torch.load(straight / "step=5.ckpt" / "meta.pt", weights_only=True)  # the distributed checkpoint's
+    assert logged["determinism/fingerprint/step_5"] == meta[CHECKPOINT_KEY]["fingerprint"]
+    assert (logged["determinism/mesh/data_parallel"], logged["determinism/mesh/tensor_parallel"]) == (dp, tp)
 
 
 def test_every_rank_gets_the_smallest_thread_count(tmp_path):

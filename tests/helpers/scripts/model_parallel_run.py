@@ -6,7 +6,8 @@ Per config: the straight run (2 epochs of 16 samples, a checkpoint every 5 steps
 directories), then a run resumed from each step K, in this process (new forked ranks each time). Every rank writes
 OUT/<name>/<run>/rank<r>.json: per step the draws of the default stream and of the tracker's fork, the loss, the
 digests of the tensors the tensor-parallel dimension replicates, and at the start the digest of the gathered model;
-at the end the fingerprint of the gathered model. OUT/<name>/one_process.json: the model one process builds under the
+at the end the fingerprint of the gathered model. The straight run logs the determinism record to a CSVLogger
+(OUT/<name>/straight/logs/version_0/hparams.yaml). OUT/<name>/one_process.json: the model one process builds under the
 same base seed, for comparison with the gathered start.
 """
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -34,6 +36,7 @@ from lightning_determinism import (  # noqa: E402
     DivergenceProbe,
     PreemptionCheckpoint,
     ReplicaGuard,
+    fingerprint,
     get_rng_tracker,
 )
 from lightning_determinism.callbacks.replica_guard import replicated_digests  # noqa: E402
@@ -135,6 +138,8 @@ class Net(L.LightningModule):
 
     def on_train_end(self) -> None:
         self.record["final"] = digest(gathered(self.model))
+        # What one process gets for the same weights, named as the LightningModule's state_dict names them.
+        self.record["final_fingerprint"] = fingerprint({f"model.{k}": v for k, v in gathered(self.model).items()})
         (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(self.record))
 
 
@@ -166,7 +171,8 @@ def fit(
         callbacks.append(DivergenceProbe(out / "probe.json", steps=3))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * tp, max_epochs=2, callbacks=callbacks,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        logger=CSVLogger(out, name="logs", version=0) if every_step and ckpt is None else False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=every_step, default_root_dir=str(out),
     )  # fmt: skip
     net = Net(out)
