@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from lightning_determinism.checkpoints.file import DamagedCheckpointError, load_failure_message
-from lightning_determinism.checkpoints.publish import SHARD_MARK, check_save_parts, verify_shard_digests
+from lightning_determinism.checkpoints.publish import (
+    SHARD_MARK,
+    check_save_parts,
+    verify_index_digest,
+    verify_shard_digests,
+)
 
 META = "meta.pt"  # Lightning's _METADATA_FILENAME: rank 0's part of the checkpoint
 INDEX = ".metadata"  # DCP's index of the shards
@@ -42,7 +47,7 @@ def check_distributed_checkpoint(path: str | Path, share: tuple[int, int] | None
     Args:
         path: the directory.
         share: ``(rank, world_size)``: which of the shard files' CRC-32s this process reads (every ``world_size``-th
-            from the ``rank``-th: ranks share the reading at load); ``(0, 1)``: all; ``None``: none (sizes only).
+            from the ``rank``-th: ranks share the reading at load); ``(0, 1)``: all; ``None``: only the index's.
 
     Raises:
         DamagedCheckpointError: naming the directory and the missing, cut short or changed file, or the part of
@@ -70,6 +75,7 @@ def _checked_index(path: Path, share: tuple[int, int] | None = (0, 1)) -> Any:
     for name, why in missing.items():
         if not (path / name).is_file():
             raise DamagedCheckpointError(f"{path}: a damaged distributed checkpoint: no {name} ({why})")
+    verify_index_digest(path)  # a flipped bit in the pickled index, before it is unpickled
     index = _read_index(path)
     mark = _check_shard_files(path, index)
     if mark is not None and share is not None:

@@ -127,7 +127,7 @@ def write_mark(
     size, crc = _size_and_crc(directory / _META)
     digests = dict(shards or {})
     for name in sorted(os.listdir(directory)):
-        if name.endswith(SHARD_SUFFIX) and name not in digests:  # a file no rank claimed: DCP named it otherwise
+        if (name.endswith(SHARD_SUFFIX) or name == INDEX_NAME) and name not in digests:  # the index, unclaimed files
             digests[name] = _size_and_crc(directory / name)
     mark = {
         "token": token, "world_size": world_size, "global_step": step, "meta_size": size, "meta_crc32": crc,
@@ -173,6 +173,37 @@ def _recorded_shards(mark: dict[str, Any]) -> dict[str, tuple[int, int]]:
     return {str(name): (int(value[0]), int(value[1])) for name, value in shards.items()}
 
 
+def verify_index_digest(path: str | os.PathLike[str]) -> None:
+    """Before DCP's index is unpickled: it is the one its save wrote (size and CRC-32 in :data:`MARK`, where recorded).
+
+    Raises:
+        DamagedCheckpointError: one line naming the directory and its index.
+    """
+    try:
+        mark = json.loads((Path(path) / MARK).read_text())
+    except (OSError, ValueError):
+        return  # no mark (stock Lightning's save), or a damaged one: check_save_parts says so
+    if not isinstance(mark, dict) or INDEX_NAME not in (mark.get("shards") or {}):
+        return
+    try:
+        verify_shard_digests(path, {"shards": {INDEX_NAME: mark["shards"][INDEX_NAME]}})
+    except DamagedCheckpointError:
+        if _another_saves_index(Path(path), str(mark.get("token"))):
+            return  # whole, but another save's: check_save_parts names the save
+        raise
+
+
+def _another_saves_index(path: Path, token: str) -> bool:
+    """Whether the index unpickles whole and was written by another save than ``token``'s."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        written_at = FileSystemReader(path).read_metadata().storage_meta.checkpoint_id  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001  (damaged: any error may come of the pickle)
+        return False
+    return written_at is not None and token not in os.fspath(written_at)
+
+
 def verify_shard_digests(path: str | os.PathLike[str], mark: dict[str, Any], share: tuple[int, int] = (0, 1)) -> None:
     """Check the shard files against the sizes and CRC-32s their ranks recorded in the save's mark.
 
@@ -193,20 +224,24 @@ def verify_shard_digests(path: str | os.PathLike[str], mark: dict[str, Any], sha
     mine = recorded[rank::world_size]
     if not mine:
         return
-    damaged = f"{path}: a damaged distributed checkpoint: the shard file"
+
+    def damaged(name: str) -> str:
+        what = f"its index {name}" if name == INDEX_NAME else f"the shard file {name}"
+        return f"{path}: a damaged distributed checkpoint: {what}"
+
     for name, (size, _) in mine:
         try:
             found = (path / name).stat().st_size
         except OSError:
-            raise DamagedCheckpointError(f"{damaged} {name} that {MARK} names is missing") from None
+            raise DamagedCheckpointError(f"{damaged(name)} that {MARK} names is missing") from None
         if found != size:
-            raise DamagedCheckpointError(f"{damaged} {name} is {found} bytes, its rank wrote {size}")
+            raise DamagedCheckpointError(f"{damaged(name)} is {found} bytes, its rank wrote {size}")
     with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 8))) as pool:
         computed = list(pool.map(lambda item: _size_and_crc(path / item[0]), mine))
     for (name, (_, crc)), (_, found_crc) in zip(mine, computed, strict=True):
         if found_crc != crc:
             raise DamagedCheckpointError(
-                f"{damaged} {name} does not match the CRC-32 its rank recorded when it wrote it ({found_crc:08x},"
+                f"{damaged(name)} does not match the CRC-32 its rank recorded when it wrote it ({found_crc:08x},"
                 f" written {crc:08x}: flipped or overwritten bytes)"
             )
 
@@ -373,8 +408,10 @@ def _read_mark(path: Path, index: Any, key: str) -> tuple[str, str]:
     """The shard file holding ``key`` and the mark it holds (``"?"`` where the bytes there are not a mark)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    info = index.storage_data.get(MetadataIndex(key))
+    info = (getattr(index, "storage_data", None) or {}).get(MetadataIndex(key))
     where = str(getattr(info, "relative_path", "?"))
+    if info is None:
+        return where, "?"
     try:
         with open(path / where, "rb") as file:
             file.seek(int(info.offset))
@@ -410,6 +447,7 @@ __all__ = [
     "publish",
     "shard_digests",
     "shard_entries",
+    "verify_index_digest",
     "verify_shard_digests",
     "write_mark",
 ]

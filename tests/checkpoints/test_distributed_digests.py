@@ -149,20 +149,24 @@ def _flipped(saved: Path, tmp_path: Path, name: str) -> Path:
 
 def test_every_shard_file_is_recorded_with_its_size_and_crc(saved):
     shards = json.loads((saved / MARK).read_text())["shards"]
-    assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # DCP's index too
     for name, (size, crc) in shards.items():
         data = (saved / name).read_bytes()
         assert size == len(data) and crc == zlib.crc32(data)
 
 
-def test_a_flipped_bit_in_a_shard_is_refused_before_launch_in_one_line_naming_the_file(saved, tmp_path):
-    target = _flipped(saved, tmp_path, "__1_0.distcp")
-    check_distributed_checkpoint(target, share=None)  # by sizes and marks it is whole: only the CRC tells
+@pytest.mark.parametrize(
+    ("name", "what"), [("__1_0.distcp", "the shard file __1_0.distcp"), (".metadata", "its index")]
+)
+def test_a_flipped_bit_in_a_shard_is_refused_before_launch_in_one_line_naming_the_file(saved, tmp_path, name, what):
+    target = _flipped(saved, tmp_path, name)
+    if name != ".metadata":  # the index is checked before it is unpickled, whatever `share` says
+        check_distributed_checkpoint(target, share=None)  # by sizes and marks it is whole: only the CRC tells
     with pytest.raises(DamagedCheckpointError) as info:
         check_resume_path(DeterministicModelParallelStrategy(), target)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"`ckpt_path`: {target}: a damaged distributed checkpoint: the shard file __1_0.distcp")
+    assert message.startswith(f"`ckpt_path`: {target}: a damaged distributed checkpoint: {what}")
     assert "does not match the CRC-32 its rank recorded when it wrote it" in message
 
 
