@@ -1,7 +1,8 @@
 """The picture ``lightning-determinism compare --plot`` draws: the loss curves and the per-step divergence.
 
 Two runs: both loss curves and the largest difference of any quantity per step. Three or more: every run's loss
-curve and, per run, the largest relative difference of its gradient norms from the reference's per step. Integer
+curve and, per run, the largest difference of any quantity from the reference's per step as a share of the tolerance
+(1: compare's limit), each run's first divergence ringed and named in its legend entry. Integer
 steps, the tolerance drawn as a line, each run's first divergent step marked, non-finite values marked where they
 occur, and "bitwise identical" written when the runs are.
 """
@@ -109,12 +110,14 @@ def make_figure(result: dict[str, Any], a: str, b: str, rtol: float, atol: float
     if first is not None:
         for ax in (ax_loss, ax_diff):
             ax.axvline(first["step"], color="red", linestyle="--")
+        right_half = steps and first["step"] > (steps[0] + steps[-1]) / 2  # the text turns left: never cut at the edge
         ax_loss.annotate(
             f"first divergence: step {first['step']}\n{first['name']}",
             xy=(first["step"], 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(5, -5),
+            xytext=(-5 if right_half else 5, -5),
             textcoords="offset points",
+            ha="right" if right_half else "left",
             va="top",
             color="red",
             fontsize="small",
@@ -131,7 +134,7 @@ def draw_runs(table: dict[str, Any], comparisons: list[dict[str, Any]], out: str
 
 
 def make_runs_figure(table: dict[str, Any], comparisons: list[dict[str, Any]]) -> Any:
-    """The figure of :func:`draw_runs`, not yet saved: loss per step per run; gradient-norm differences per run."""
+    """The figure of :func:`draw_runs`, not yet saved: loss per step per run; every quantity's spread per run."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -150,38 +153,45 @@ def make_runs_figure(table: dict[str, Any], comparisons: list[dict[str, Any]]) -
     ax_loss.set_ylabel("loss")
     ax_loss.legend(fontsize="small")
     ax_diff.set_xlabel("step")
-    ax_diff.set_ylabel("max relative difference of\ngradient norms from the reference")
+    # How far each run is from the reference as compare judges it: the largest difference of any quantity (loss,
+    # gradient and parameter norms) as a share of the tolerance, 1 being the limit. A fault that leaves the gradients
+    # alike at first (another learning rate changes the parameters, then the gradients) crosses 1 where it is found.
+    key = "max_tol" if rtol or atol else "max_rel"  # no tolerance: the relative difference
+    if key == "max_tol":
+        ax_diff.set_ylabel("largest difference from the reference\nas a share of the tolerance (1: its limit)")
+    else:
+        ax_diff.set_ylabel("max relative difference from\nthe reference, every quantity")
     ax_diff.xaxis.set_major_locator(MaxNLocator(integer=True))
-    values = [r["max_rel_grad_norms"] for result in comparisons for r in result["rows"]]
+    values = [r.get(key, math.nan) for result in comparisons for r in result["rows"]]
     positive = [v for v in values if math.isfinite(v) and v > 0]
-    floor = min([*positive, rtol or 1.0]) / 10
+    floor = min([*positive, 1.0]) / 10
     if not positive:
-        ax_diff.text(0.5, 0.5, "bitwise identical gradient norms", ha="center", va="center", fontsize=14,
-                     transform=ax_diff.transAxes)  # fmt: skip
+        bitwise = all(r["max_abs"] == 0 and r["bitwise_params"] for result in comparisons for r in result["rows"])
+        ax_diff.text(0.5, 0.75, "bitwise identical" if bitwise else "no difference drawn", ha="center", va="center",
+                     fontsize=14, transform=ax_diff.transAxes)  # fmt: skip
     for i, (row, result) in enumerate(zip(rows[1:], comparisons, strict=True)):
-        finite = [r for r in result["rows"] if math.isfinite(r["max_rel_grad_norms"])]
+        finite = [r for r in result["rows"] if math.isfinite(r.get(key, math.nan))]
+        first = row["first"]
+        # Where each run diverges goes in its legend entry (inside the axes: never cut at the figure's edge).
+        label = row["name"] if first is None else f"{row['name']}: diverges at step {first['step']}, {first['name']}"
         line = ax_diff.semilogy(
             [r["step"] for r in finite],
-            [max(r["max_rel_grad_norms"], floor) for r in finite],
+            [max(r[key], floor) for r in finite],
             markers[i % len(markers)],
             color=f"C{(i + 1) % 10}",
-            label=row["name"],
+            label=label,
         )[0]
-        if row["first"] is not None:
-            ax_diff.axvline(row["first"]["step"], color=line.get_color(), linestyle="--", alpha=0.7)
-            ax_loss.annotate(
-                f"{row['name']}: step {row['first']['step']}, {row['first']['name']}",
-                xy=(row["first"]["step"], 1.0 - 0.08 * i),
-                xycoords=("data", "axes fraction"),
-                xytext=(5, -5),
-                textcoords="offset points",
-                va="top",
-                color="red",
-                fontsize="x-small",
-            )
-    if rtol > 0:
-        ax_diff.axhline(rtol, color="tab:red", linestyle=":", label=f"rtol = {rtol:g}")
-    ax_diff.legend(fontsize="x-small", title=f"0 drawn at {floor:.0e}; atol = {atol:g}", title_fontsize="x-small")
+        if first is not None:
+            for ax in (ax_loss, ax_diff):
+                ax.axvline(first["step"], color=line.get_color(), linestyle="--", alpha=0.7)
+            at = [max(r[key], floor) for r in finite if r["step"] == first["step"]]
+            if at:  # the first divergent step ringed on the run's own line
+                ax_diff.plot([first["step"]], at, "o", markersize=12, markerfacecolor="none", color="red",
+                             label="_first divergence")  # fmt: skip
+    if key == "max_tol":
+        ax_diff.axhline(1.0, color="tab:red", linestyle=":", label=f"the tolerance: rtol = {rtol:g}, atol = {atol:g}")
+    zero = any(v == 0 for v in values)  # a log scale has no 0: say where it is drawn
+    ax_diff.legend(fontsize="x-small", title=f"0 drawn at {floor:.0e}" if zero else None, title_fontsize="x-small")
     fig.tight_layout()
     return fig
 

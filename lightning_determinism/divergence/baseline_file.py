@@ -139,6 +139,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / scale if scale else math.inf
 
 
+def _share(a: float, b: float, gap: float, rtol: float, atol: float) -> float:
+    """``gap`` as a share of what ``math.isclose(a, b, rel_tol=rtol, abs_tol=atol)`` allows (above 1: it differs)."""
+    if gap == 0 or math.isnan(gap):
+        return gap
+    allowed = max(rtol * max(abs(a), abs(b)), atol)
+    return gap / allowed if allowed else math.inf
+
+
 def _worst(current: float, new: float) -> float:
     """The larger difference, where NaN (an undefined difference) outranks everything."""
     if math.isnan(current) or math.isnan(new):
@@ -163,7 +171,8 @@ def compare_baselines(
         ``{"rows": [...], "first": {...} | None, "nonfinite": [{"step", "name", "a", "b"}, ...],
         "compared": int}``. A row's ``max_abs``/``max_rel`` is NaN when a value on either side is NaN; ``max_rel``
         (and ``max_rel_grad_norms``) leave out the pairs within ``atol`` of each other, which agree whatever their
-        relative difference.
+        relative difference. ``max_tol``: the largest difference as a share of what the tolerance allows it,
+        ``|a - b| / max(rtol * max(|a|, |b|), atol)`` (above 1: beyond tolerance, as :func:`differs` judges).
 
     Raises:
         BaselineFileError: if the files hold different steps or parameter sets.
@@ -186,7 +195,7 @@ def compare_baselines(
         if names_a != names_b:
             only = sorted(names_a ^ names_b)
             raise BaselineFileError(f"the files hold different parameter sets at step {step_a.get('step')}: {only}")
-        max_abs = max_rel = max_rel_grad = 0.0
+        max_abs = max_rel = max_rel_grad = max_tol = 0.0
         for name, x, y in quantities(step_a, step_b):
             compared += 1
             if x is not None and y is not None:
@@ -195,6 +204,7 @@ def compare_baselines(
                 # mathematically zero) are far apart relatively and still agree.
                 rel = 0.0 if gap <= atol else _rel(x, y)
                 max_abs, max_rel = _worst(max_abs, gap), _worst(max_rel, rel)
+                max_tol = _worst(max_tol, _share(x, y, gap, rtol, atol))
                 if name.startswith("grad_norms["):
                     max_rel_grad = _worst(max_rel_grad, rel)
                 if not (_finite(x) and _finite(y)):
@@ -210,6 +220,7 @@ def compare_baselines(
                 "max_abs": max_abs,
                 "max_rel": max_rel,
                 "max_rel_grad_norms": max_rel_grad,
+                "max_tol": max_tol,
                 "bitwise_params": _same_parameters(step_a, step_b),
             }
         )

@@ -262,6 +262,31 @@ def test_the_figure_says_identical_marks_the_divergence_and_draws_the_tolerance(
     assert ticks and all(float(t).is_integer() for t in ticks)  # steps, not 0.5, 1.5
 
 
+def _inside(fig):
+    """Whether everything the figure draws lies inside it (a label past the right edge is cut in the PNG) and the
+    plots keep their width (tight_layout squeezes them to make room for a label drawn to their right)."""
+    fig.canvas.draw()
+    drawn = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
+    inside = drawn.x0 >= 0 and drawn.y0 >= 0 and drawn.x1 <= fig.get_figwidth() and drawn.y1 <= fig.get_figheight()
+    return inside and all(ax.get_position().width > 0.75 for ax in fig.axes)
+
+
+def test_a_divergence_late_in_the_run_is_labelled_inside_the_figure():
+    from lightning_determinism.divergence._compare_plot import make_figure, make_runs_figure
+
+    first = {"step": 15, "name": "param_norms[model.blocks.0.attention.out_proj.weight]", "a": 1.0, "b": 2.0, "diff": 1}
+    rows = [{"step": s, "loss_a": 3.0 - s / 10, "loss_b": 3.0 - s / 10, "max_abs": 1e-9 if s < 15 else 0.5,
+             "max_rel": 1e-8 if s < 15 else 0.5, "max_rel_grad_norms": 1e-8, "max_tol": 0.01 if s < 15 else 5e3,
+             "bitwise_params": False}
+            for s in range(20)]  # fmt: skip
+    result = {"rows": rows, "first": first, "nonfinite": [], "compared": 20}
+    assert _inside(make_figure(result, "one.json", "fault.json", 1e-4, 1e-6))
+    healthy = {**result, "first": None, "rows": [{**r, "max_rel": 1e-8, "max_tol": 0.01} for r in rows]}
+    runs = [{"name": f"{name}.json", "first": None} for name in ("one", "ddp2", "fsdp2")]
+    runs.append({"name": "lr-fault.json", "first": first})
+    assert _inside(make_runs_figure({"rtol": 1e-4, "atol": 1e-6, "runs": runs}, [healthy, healthy, result]))
+
+
 def test_compare_mode_says_once_that_the_run_matched(recorded, caplog):
     import logging
 

@@ -161,9 +161,16 @@ def test_the_figure_of_several_runs_marks_each_divergence(runs):
     table = compare_runs([(n, load_baseline(runs[n])) for n in names], DEFAULT_RTOL, DEFAULT_ATOL)
     fig = make_runs_figure(table, table["comparisons"])
     loss_ax, diff_ax = fig.axes
-    assert [line.get_label() for line in loss_ax.lines] == ["one (reference)", "ddp2", "lr"]
-    assert any(t.get_text().startswith("lr: step 4, param_norms[") for t in loss_ax.texts)
-    assert "rtol = 0.0001" in [line.get_label() for line in diff_ax.lines]
+    curves = [line.get_label() for line in loss_ax.lines if not line.get_label().startswith("_")]
+    assert curves == ["one (reference)", "ddp2", "lr"]
+    labels = [line.get_label() for line in diff_ax.lines]
+    assert "the tolerance: rtol = 0.0001, atol = 1e-06" in labels
+    assert any(s.startswith("lr: diverges at step 4, param_norms[") for s in labels)
+    # The lr fault is told from the healthy run: it crosses the tolerance at its first divergent step (the plot draws
+    # every quantity, not only the gradient norms, which still agree at step 4); the healthy run stays below it.
+    lines = {line.get_label().split(":")[0]: line for line in diff_ax.lines}
+    healthy, faulty = (dict(zip(*lines[name].get_data(), strict=True)) for name in ("ddp2", "lr"))
+    assert max(healthy.values()) < 1 < faulty[4] and max(v for step, v in faulty.items() if step < 4) < 1
 
 
 def _model():
