@@ -79,6 +79,9 @@ class FabricEpochIterator:
     def __iter__(self) -> FabricEpochIterator:
         return self
 
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[no-any-return]
+
     def __next__(self) -> Any:
         if self.inner is None:
             self._start()
