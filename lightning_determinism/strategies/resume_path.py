@@ -11,7 +11,9 @@ minutes by default) before every rank prints its errors. Under the deterministic
    checked before any rank starts;
 2. inside the ranks, a path Lightning would find on the filesystem (``"last"``, ``"hpc"``, and ``None`` under
    SLURM, where Lightning looks for an HPC checkpoint) is left to rank 0, which resolves it when the checkpoint is
-   loaded and broadcasts it (``torchrun``, the popen launcher's child scripts);
+   loaded and broadcasts it (``torchrun``, the popen launcher's child scripts); rank 0 first settles a publish a kill
+   cut between its two renames (:func:`~lightning_determinism.checkpoints.publish.finish_interrupted_publish`), as
+   the main process does before a launch;
 3. before anything is loaded, the ranks compare what they are about to load, the path and the checkpoint's
    identity (:func:`checkpoint_identity`), in one collective: a difference is one ``RuntimeError`` on every rank,
    naming both.
@@ -35,8 +37,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_determinism._compat.access import checkpoint_connector, checkpoint_connector_class
 from lightning_determinism._process import distributed
-from lightning_determinism.checkpoints.io import local_path
-from lightning_determinism.checkpoints.publish import MARK
+from lightning_determinism.checkpoints.io import finish_interrupted_publishes_of, local_path
+from lightning_determinism.checkpoints.publish import MARK, finish_interrupted_publish
+from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding.rank_states import all_gather
 
 FOUND_ON_DISK = ("last", "hpc")
@@ -112,7 +115,9 @@ def agree_on_checkpoint(strategy: Any, path: Any, resolve: Callable[[], Any] | N
     choice: tuple[str, Any] | None = None
     if rank == 0:
         try:
-            choice = ("path", resolve() if resolve is not None else path)
+            chosen = resolve() if resolve is not None else path
+            _settle(chosen)
+            choice = ("path", chosen)
         except Exception as err:  # noqa: BLE001  (said by every rank, not only rank 0: the others would wait)
             choice = ("error", f"{type(err).__name__}: {err}")
     choice = strategy.broadcast(choice, src=0)
@@ -130,6 +135,15 @@ def agree_on_checkpoint(strategy: Any, path: Any, resolve: Callable[[], Any] | N
             ' same `ckpt_path`; "last" is resolved by rank 0 alone)'
         )
     return mine
+
+
+def _settle(path: Any) -> None:
+    """Rank 0: a checkpoint whose publish a kill cut between its two renames is put in place (the ranks load it)."""
+    local = None if path is None else local_path(path)
+    if local is not None and not os.path.lexists(local):
+        message = finish_interrupted_publish(local)
+        if message is not None:
+            warnings.warn(message, DeterminismWarning, stacklevel=3)
 
 
 def _agreeing(connector: Any) -> bool:
@@ -168,7 +182,7 @@ def install() -> None:
     @functools.wraps(resume)
     def resume_agreed(self: Any, checkpoint_path: Any = None, weights_only: Any = None) -> Any:
         pending = self.__dict__.pop(_PENDING, None)
-        resolve = None if pending is None else functools.partial(parse, self, *pending)
+        resolve = None if pending is None else functools.partial(_resolve, parse, self, pending)
         if _agreeing(self) and distributed():
             checkpoint_path = agree_on_checkpoint(self.trainer.strategy, checkpoint_path, resolve)
         elif resolve is not None:
@@ -177,6 +191,13 @@ def install() -> None:
 
     connector._parse_ckpt_path = parse_once
     connector.resume_start = resume_agreed
+
+
+def _resolve(parse: Any, connector: Any, pending: tuple[Any, ...]) -> Any:
+    """Lightning's resolution, run by rank 0; ``"last"`` after the saves a kill cut short were settled."""
+    if pending[1] == "last":
+        finish_interrupted_publishes_of(connector.trainer)  # a kill between a publish's two renames: no last.ckpt
+    return parse(connector, *pending)
 
 
 def resolve_before_launch(trainer: Any, ckpt_path: Any) -> Any:

@@ -136,3 +136,24 @@ def test_a_fork_launch_resolves_last_in_the_main_process_and_hands_the_ranks_the
     starts = [json.loads((tmp_path / f"start{rank}.json").read_text()) for rank in (0, 1)]
     assert starts == [{"step": 4, "ckpt_path": str(directory / "last.ckpt")}] * 2
     assert int(torch.load(directory / "last.ckpt", weights_only=True)["global_step"]) == 4  # left as it was
+
+
+def _resume_last(rank, world_size, out):
+    _as_launched_from_outside(rank)
+    keep = ModelCheckpoint(dirpath=out / "ckpts", save_top_k=0)
+    _trainer(out, 3, keep).fit(RecordingModule(str(out), n=16, record_draws=False), ckpt_path="last")
+
+
+def test_a_publish_killed_between_its_two_renames_is_settled_by_rank_0_before_it_resolves_last(checkpoints, tmp_path):
+    # No RENAME_EXCHANGE (NFS): the old last.ckpt was put aside, the kill came before the new one was put in place.
+    # Launched from outside, no main process settles it before the ranks start; rank 0 does, then resolves "last".
+    from lightning_determinism.checkpoints.publish import hidden_path
+
+    directory = tmp_path / "ckpts"
+    directory.mkdir()
+    shutil.copy(checkpoints / "all" / "step=2.ckpt", hidden_path(directory / "last.ckpt", "a" * 16, "old"))
+    shutil.copy(checkpoints / "all" / "step=4.ckpt", hidden_path(directory / "last.ckpt", "a" * 16, "tmp"))
+    run_distributed(_resume_last, tmp_path, tmp_path)
+    starts = [json.loads((tmp_path / f"start{rank}.json").read_text()) for rank in (0, 1)]
+    assert starts == [{"step": 4, "ckpt_path": str(directory / "last.ckpt")}] * 2  # stock: none found, afresh
+    assert os.listdir(directory) == ["last.ckpt"]
