@@ -50,6 +50,9 @@ def fabric_position(loader: Any, epoch: int) -> dict[str, Any] | None:
     drawn = int(getattr(loader, "_ldet_drawn", 0))
     if not getattr(loader, "_ldet_resumable", False) or getattr(loader, "_ldet_stream", False):
         return None
+    pending = getattr(loader, PLAN_ATTR, None)
+    if pending is not None and "skip" in pending:  # loaded and not iterated since: saved again as it was loaded
+        return dict(pending)
     if drawn == 0 or getattr(loader, "_ldet_epoch_done", True):
         return None
     now = backward_count(loader)

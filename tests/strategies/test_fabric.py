@@ -141,6 +141,8 @@ def _steps(fabric, steps, save_at=None, path=None, resume=None, skip=0, held=Tru
     state["step"] = 0
     if resume:
         fabric.load(resume, state)
+    if path and save_at == state["step"]:  # loaded and saved again before a batch is drawn
+        fabric.save(path, state)
     while state["step"] < steps:
         for x, y in loader:
             if skip:
@@ -164,6 +166,8 @@ def test_a_mid_epoch_save_resumes_bitwise_whether_or_not_the_loop_skips_the_cons
     torch.manual_seed(999)
     counted = _steps(_fabric(), 10, resume=tmp_path / "mid.ckpt", skip=3)  # LitGPT: drops as many as it trained
     assert torch.equal(resumed, straight) and torch.equal(counted, straight)
+    _steps(_fabric(), 3, save_at=3, path=tmp_path / "again.ckpt", resume=tmp_path / "mid.ckpt")
+    assert torch.equal(_steps(_fabric(), 10, resume=tmp_path / "again.ckpt"), straight)
     with pytest.warns(DeterminismWarning, match="dropped 2 batches of `NoisyPoints`.* written 3 batches into epoch 0"):
         _steps(_fabric(), 5, resume=tmp_path / "mid.ckpt", skip=2)  # another count: other batches, said
 
