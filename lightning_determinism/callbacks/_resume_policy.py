@@ -120,10 +120,10 @@ def finished_under(checkpoint: Mapping[str, Any], max_epochs: int | None, max_st
     if done.get("started", 0) > epochs and fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
         epochs += 1  # written at the last batch of an epoch: that epoch has nothing left to train
     if max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs:
-        return f"max_epochs={max_epochs} ({epochs} epochs done)"
+        return f"max_epochs={max_epochs} ({epochs} epoch{'' if epochs == 1 else 's'} done)"
     step = int(checkpoint.get("global_step", 0))
     if max_steps >= 0 and step >= max_steps:
-        return f"max_steps={max_steps} ({step} steps done)"
+        return f"max_steps={max_steps} ({step} step{'' if step == 1 else 's'} done)"
     return None
 
 
