@@ -36,6 +36,7 @@ from lightning_determinism.divergence.baseline_runs import compare_runs
 from lightning_determinism.divergence.compare_text import print_runs, print_steps
 from lightning_determinism.divergence.logger_record import RecordError
 from lightning_determinism.divergence.record_compare import compare_records, is_record_path, report_record
+from lightning_determinism.divergence.run_record import CHECKPOINT_KEY as FINGERPRINT_KEY
 
 
 class _BadInput(Exception):
@@ -152,6 +153,9 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         "lr_schedulers": len(checkpoint.get("lr_schedulers", [])),
         "digest": digest,
     }
+    recorded = checkpoint.get(FINGERPRINT_KEY)
+    if isinstance(recorded, dict) and "fingerprint" in recorded:  # DeterminismRecord's: the model's, as logged
+        description["fingerprint"] = recorded["fingerprint"]
     if not isinstance(saved, dict):
         description["rng_state"] = "none (written without RNGStateCheckpoint: a resume is not bitwise)"
         return description

@@ -155,7 +155,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def _configure_launcher(self) -> None:  # type: ignore[misc]
         super()._configure_launcher()  # type: ignore[misc]
         # Fabric calls no teardown: a launched function's return ends the run, and the environment is put back.
-        end_run_with_launch(self, self._ldet_steps.restore_env)
+        end_run_with_launch(self, self._ldet_steps)
 
     @override
     def setup_environment(self) -> None:  # type: ignore[misc]

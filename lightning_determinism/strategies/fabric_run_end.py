@@ -5,9 +5,10 @@ CUDA is, ``CUBLAS_WORKSPACE_CONFIG``) set at ``fabric.launch()`` stayed in the u
 later ``seed_everything()`` or a later run read them. A run's real end in Fabric is the return of the function it
 launched — ``fabric.launch(train)`` (and Fabric's ``run`` method): :class:`RunEndLauncher` wraps the strategy's launcher
 (or stands in for the missing one of a single device) and restores the environment in this process when that function
-returns or raises. Forked and spawned ranks are processes of their own (their environment ends with them; the
-launching process never set it), so their launcher is left as it is. ``fabric.launch()`` without a function has no end
-that Fabric sees: the variables go with the process (docs/record.md).
+returns or raises. Forked and spawned ranks are processes of their own (their environment ends with them); in the
+process that launches them, :class:`RunEndMultiProcessingLauncher` puts back what the strategy set there before they
+started. ``fabric.launch()`` without a function has no end that Fabric sees: the variables go with the process
+(docs/record.md).
 """
 
 from __future__ import annotations
@@ -55,14 +56,39 @@ class RunEndLauncher:
         return getattr(launcher, name)
 
 
-def end_run_with_launch(strategy: Any, restore: Callable[[], None]) -> None:
-    """Give a Fabric strategy's launcher the run's end (not a fork/spawn one: its ranks are processes of their own)."""
-    swap_launcher(strategy, lambda launcher: _with_run_end(launcher, restore))
+class RunEndMultiProcessingLauncher(FabricMultiProcessingLauncher):
+    """Fabric's fork/spawn launcher (its class kept: Fabric's ``launch()`` tells it by its class), and the run's end.
+
+    The ranks are processes of their own; in the launching process the strategy set only what it sets before the
+    ranks start (``CUBLAS_WORKSPACE_CONFIG`` where CUDA is), put back when they are done.
+    """
+
+    _ldet_steps: Any = None
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Set what the ranks inherit, launch them as Fabric does, restore it here when they are done."""
+        steps = self._ldet_steps
+        if steps is not None:
+            steps.prepare_launch()
+        try:
+            return super().launch(function, *args, **kwargs)
+        finally:
+            if steps is not None:
+                steps.restore_env()
 
 
-def _with_run_end(launcher: Any, restore: Callable[[], None]) -> Any:
-    # Fabric's launch() tells a fork/spawn launcher by its class: that one stays itself.
-    return launcher if isinstance(launcher, FabricMultiProcessingLauncher) else RunEndLauncher(launcher, restore)
+def end_run_with_launch(strategy: Any, steps: Any) -> None:
+    """Give a Fabric strategy's launcher the run's end: ``steps`` (its ``SeedingSteps``) restores the environment."""
+    swap_launcher(strategy, lambda launcher: _with_run_end(launcher, steps))
 
 
-__all__ = ["RunEndLauncher", "end_run_with_launch"]
+def _with_run_end(launcher: Any, steps: Any) -> Any:
+    if isinstance(launcher, FabricMultiProcessingLauncher):
+        ending = RunEndMultiProcessingLauncher.__new__(RunEndMultiProcessingLauncher)
+        ending.__dict__.update(launcher.__dict__)
+        ending._ldet_steps = steps
+        return ending
+    return RunEndLauncher(launcher, steps.restore_env)
+
+
+__all__ = ["RunEndLauncher", "RunEndMultiProcessingLauncher", "end_run_with_launch"]

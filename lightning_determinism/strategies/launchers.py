@@ -103,6 +103,9 @@ class CleanExitLauncher(MultiProcessingLauncher):
                 DeterminismWarning,
                 stacklevel=4,  # the user's trainer.fit(...) line
             )
+        steps = getattr(launcher_strategy(self), "_ldet_steps", None)  # the seeding steps of a deterministic one
+        if steps is not None:
+            steps.prepare_launch()
         previous = self._forward_sigterm()
         stopping = False
         try:
@@ -113,6 +116,8 @@ class CleanExitLauncher(MultiProcessingLauncher):
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else previous)
+            if steps is not None:  # this process ran no rank and no teardown: what the strategy set here goes
+                steps.restore_env()
 
     def _forward_sigterm(self) -> Any:
         """In the main process, pass SIGTERM on to the ranks (which checkpoint or stop) instead of dying of it."""

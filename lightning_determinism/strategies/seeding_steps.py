@@ -81,11 +81,19 @@ class SeedingSteps:
         self.seed_source: str | None = None  # "given", "seed_everything" or "drawn" (on rank 0, then broadcast)
         self._source = ""
         # What this process's environment held before the strategy touched it; restore_env() puts it back.
-        self.saved_env: dict[str, str | None] = {CUBLAS_ENV: os.environ.get(CUBLAS_ENV)}
+        self.saved_env: dict[str, str | None] = {}
+        self.prepare_launch()
+
+    def prepare_launch(self) -> None:
+        """Where CUDA is, set ``CUBLAS_WORKSPACE_CONFIG`` now: at construction, and again before each launch.
+
+        cuBLAS reads it when its first handle is created; Lightning initialises CUDA before ``setup_environment``,
+        so it is set before the ranks start (they inherit it) rather than warned about there. Without CUDA nothing
+        reads it: the user's process is left as it is until a rank sets its flags. The launchers restore it in the
+        launching process when the ranks are done (:meth:`restore_env`), the ranks at their teardown.
+        """
+        self.saved_env.setdefault(CUBLAS_ENV, os.environ.get(CUBLAS_ENV))
         if self.debug_mode in (1, 2) and torch.cuda.is_available():
-            # cuBLAS reads this when its first handle is created; Lightning initialises CUDA before
-            # setup_environment, so set it now (child processes inherit it) rather than warn there. Without CUDA
-            # nothing reads it: the user's process is left as it is until a rank sets its flags (restored at the end).
             set_cublas_workspace()
 
     @property

@@ -102,5 +102,7 @@ def test_compare_tells_the_two_seeds_apart_on_the_loggers_directories(runs, caps
     assert json.loads(capsys.readouterr().out)["runs"][0]["differences"] == {}
     assert entry.main(["report", str(runs / "b" / "tb")]) == 0
     assert "  seed " in capsys.readouterr().out
+    assert entry.main(["report", str(runs / "a" / "ckpt" / "step=4.ckpt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fingerprint"] == csv_record(runs, "a")["determinism/fingerprint/final"]
     assert entry.main(["compare", str(runs / "a"), str(runs / "b" / "csv")]) == 2  # a holds two loggers' runs
     assert "holds the logs of 2 runs" in capsys.readouterr().err

@@ -69,3 +69,20 @@ def test_log_fingerprint_refuses_a_bad_step():
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DeterministicFabricSingleDeviceStrategy(seed=1))
     with pytest.raises(ValueError, match=r"`step` must be an int >= 0, got -1"):
         log_fingerprint(fabric, nn.Linear(1, 1), -1)
+
+
+def _rank(fabric):
+    return fabric.global_rank
+
+
+@pytest.mark.distributed
+def test_a_forked_fabric_launch_gives_the_launching_process_its_environment_back(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)  # where CUDA is: set for the ranks to inherit
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_fork_deterministic")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert fabric.launch(_rank) == 0
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with pytest.raises(TypeError, match="needs to be called with a function"):  # Fabric still tells fork by class
+        fabric.launch()

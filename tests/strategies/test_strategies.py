@@ -189,6 +189,17 @@ def test_cublas_workspace_is_set_when_the_strategy_is_built_where_cuda_is(monkey
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
+@pytest.mark.distributed
+def test_the_launching_process_gets_cublas_back_after_a_forked_fit(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)
+        strategy = DeterministicDDPStrategy(seed=1, start_method="fork")  # where CUDA is: set for the ranks
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    fit(strategy, tmp_path)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # the main process ran no teardown: its launcher put it back
+
+
 class _EnvInWorkers(torch.utils.data.Dataset):
     def __len__(self):
         return 4
