@@ -4,7 +4,7 @@ The entries (flat ``determinism/...`` keys, see :mod:`~lightning_determinism.div
 
 - ``seed``, ``seed_source`` (``given``, ``seed_everything`` or ``drawn``: on rank 0, then broadcast), ``debug_mode``,
   ``world_size``, ``strategy``, ``precision``;
-- ``mesh/<dimension>`` (a device mesh's sizes), ``topology`` (the strategies' ``topology=`` degrees),
+- ``mesh/<dimension>`` (a device mesh's sizes), ``topology/<axis>`` (the strategies' ``topology=`` degrees),
   ``invariant/global_batch_size``, ``invariant/micro_batch_size``, ``invariant/micro_batches_per_rank`` (B, m, K);
 - ``version/<package>`` (python, torch, lightning, numpy, torchmetrics, lightning_determinism), ``backend/<flag>``
   (:func:`~lightning_determinism.determinism_report`'s flags);
@@ -94,6 +94,11 @@ def _mesh(strategy: Any) -> dict[str, int] | None:
     return {str(name): int(size) for name, size in zip(names, mesh.shape, strict=True)}
 
 
+def _degrees(topology: Any) -> dict[str, int] | None:
+    """A :class:`~lightning_determinism.parallel.topology.Topology`'s degrees (``dp``, ``pp``, ``mp``, ...)."""
+    return None if topology is None else {str(axis): int(size) for axis, size in topology.degrees.items()}
+
+
 def build_record(
     strategy: Any, ranks: Sequence[Mapping[str, Any]], identity: Mapping[str, Any], precision: Any = None
 ) -> dict[str, Any]:
@@ -120,7 +125,7 @@ def build_record(
         "strategy": type(strategy).__name__,
         "precision": None if precision is None else str(precision),
         "mesh": _mesh(strategy),
-        "topology": None if getattr(steps, "topology", None) is None else repr(steps.topology).split(", ", 2)[-1],  # type: ignore[union-attr]
+        "topology": _degrees(getattr(steps, "topology", None)),
         "invariant": None if invariant is None else invariant.state(),
         "version": {name: report[name] for name in _VERSIONS},
         "backend": {key: value for key, value in report.items() if key not in _NOT_FLAGS},

@@ -99,7 +99,7 @@ _TOPICS = (
     ("backend/", "backend flag {}"),
     ("world_size", "world size"),
     ("mesh/", "device mesh"),
-    ("topology", "topology"),
+    ("topology/", "topology"),
     ("invariant/", "invariant mode (B/m/K)"),
     ("strategy", "strategy"),
     ("precision", "precision"),

@@ -30,12 +30,15 @@ def fit(tmp_path, strategy, callbacks=()):
     return trainer, logged, torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
 
 
-def test_seed_everything_is_said_the_users_keys_win_and_a_users_callback_is_the_only_one(tmp_path):
+def test_seed_everything_and_the_topology_are_said_the_users_keys_win_and_a_users_callback_is_the_only_one(tmp_path):
     L.seed_everything(77, verbose=False)
     mine = DeterminismRecord()
-    trainer, logged, checkpoint = fit(tmp_path, DeterministicSingleDeviceStrategy(device="cpu"), [mine])
+    strategy = DeterministicSingleDeviceStrategy(device="cpu", topology={"mp_degree": 1})
+    trainer, logged, checkpoint = fit(tmp_path, strategy, [mine])
     assert [cb for cb in trainer.callbacks if isinstance(cb, DeterminismRecord)] == [mine]
-    assert logged["determinism/seed_source"] == "seed_everything" and logged["determinism/rank_0/local_seed"] == 77
+    assert logged["determinism/seed_source"] == "seed_everything"
+    assert logged["determinism/rank_0/local_seed"] == strategy.local_seed != 77  # the topology's stream seed
+    assert (logged["determinism/topology/dp"], logged["determinism/topology/mp"]) == (1, 1)
     assert logged["determinism/seed"] == "the user's" and logged["lr"] == 0.5
     assert logged["determinism/fingerprint/final"] == checkpoint[CHECKPOINT_KEY]["fingerprint"]
 
