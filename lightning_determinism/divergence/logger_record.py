@@ -3,9 +3,10 @@
 A ``CSVLogger`` keeps its hyperparameters in ``<save_dir>/<name>/version_<n>/hparams.yaml``; a ``TensorBoardLogger``
 in the event file (``events.out.tfevents.*``) beside its own ``hparams.yaml`` (written once, at the start of fit), and
 the fingerprints as texts of the event file. :func:`read_record` takes such a version directory, a directory above
-exactly one of them, or one of the files, and returns the record's flat ``determinism/...`` entries
-(:mod:`~lightning_determinism.divergence.run_record`). The event file is read by
-:mod:`~lightning_determinism.divergence._event_file` (no TensorBoard needed); YAML by PyYAML, which Lightning requires.
+them (one run's: a CSV and a TensorBoard logger side by side, whose records agree), or one of the files, and returns
+the record's flat ``determinism/...`` entries (:mod:`~lightning_determinism.divergence.run_record`). The event file is
+read by :mod:`~lightning_determinism.divergence._event_file` (no TensorBoard needed); YAML by PyYAML, which Lightning
+requires.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_determinism.divergence._event_file import EventFileError, read_event_file
-from lightning_determinism.divergence.run_record import FINGERPRINT_PREFIX, PREFIX, record_of
+from lightning_determinism.divergence.run_record import FINGERPRINT_PREFIX, PREFIX, differences, record_of
 
 HPARAMS_FILE = "hparams.yaml"
 EVENTS_GLOB = "events.out.tfevents.*"
@@ -77,6 +78,28 @@ def _read_files(files: list[Path]) -> dict[str, Any]:
     return hparams
 
 
+def _files_of(directory: Path) -> list[Path]:
+    yaml_file = directory / HPARAMS_FILE
+    return ([yaml_file] if yaml_file.is_file() else []) + sorted(directory.glob(EVENTS_GLOB))
+
+
+def _one_run(path: Path, runs: list[Path]) -> tuple[dict[str, Any], Path]:
+    """The record of a directory above several loggers' directories: one run's, or a refusal naming them.
+
+    The logs of one run (a CSV and a TensorBoard logger side by side) hold equal records: they are read as one.
+    """
+    records = {run: record_of(_read_files(_files_of(run))) for run in runs}
+    found = {run: record for run, record in records.items() if record}
+    merged: dict[str, Any] = {}
+    for record in found.values():
+        merged.update(record)
+    if found and all(not differences(record, merged) for record in found.values()):
+        return merged, path
+    shown = ", ".join(str(run) for run in runs[:4]) + (", ..." if len(runs) > 4 else "")
+    why = "whose records differ" if found else "none with a determinism record"
+    raise RecordError(f"{path}: holds the logs of {len(runs)} runs {why} ({shown}); give one of them")
+
+
 def read_record(path: Path | str) -> tuple[dict[str, Any], Path]:
     """The record a logger wrote at ``path``, and the directory (or file) it was read from.
 
@@ -84,7 +107,7 @@ def read_record(path: Path | str) -> tuple[dict[str, Any], Path]:
     fingerprints); several event files of one directory in the order of their names (of their times).
 
     Raises:
-        RecordError: if ``path`` holds no logger's files, the logs of several runs, or no record.
+        RecordError: if ``path`` holds no logger's files, the logs of several runs whose records differ, or no record.
     """
     path = Path(path)
     if path.is_file():
@@ -97,11 +120,9 @@ def read_record(path: Path | str) -> tuple[dict[str, Any], Path]:
                 " directory, such as lightning_logs/version_0)"
             )
         if len(runs) > 1:
-            shown = ", ".join(str(run) for run in runs[:4]) + (", ..." if len(runs) > 4 else "")
-            raise RecordError(f"{path}: holds the logs of {len(runs)} runs ({shown}); give one of them")
+            return _one_run(path, runs)
         where = runs[0]
-        yaml_file = where / HPARAMS_FILE
-        files = ([yaml_file] if yaml_file.is_file() else []) + sorted(where.glob(EVENTS_GLOB))
+        files = _files_of(where)
     else:
         raise RecordError(f"{path}: no such file or directory")
     record = record_of(_read_files(files))

@@ -104,5 +104,8 @@ def test_compare_tells_the_two_seeds_apart_on_the_loggers_directories(runs, caps
     assert "  seed " in capsys.readouterr().out
     assert entry.main(["report", str(runs / "a" / "ckpt" / "step=4.ckpt"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fingerprint"] == csv_record(runs, "a")["determinism/fingerprint/final"]
-    assert entry.main(["compare", str(runs / "a"), str(runs / "b" / "csv")]) == 2  # a holds two loggers' runs
-    assert "holds the logs of 2 runs" in capsys.readouterr().err
+    # A run's directory with both loggers' logs reads as that run; one that holds both runs is refused.
+    assert entry.main(["compare", str(runs / "a"), str(runs / "b")]) == 1
+    assert "these two runs differ in: seed," in capsys.readouterr().out
+    assert entry.main(["compare", str(runs), str(runs / "b")]) == 2
+    assert "holds the logs of 4 runs whose records differ" in capsys.readouterr().err

@@ -9,9 +9,9 @@ from lightning_determinism.divergence._event_file import read_event_file, sessio
 from lightning_determinism.divergence.logger_record import RecordError, read_record
 
 
-def tensorboard_run(root, version=0):
+def tensorboard_run(root, version=0, seed=5):
     logger = TensorBoardLogger(root, name="tb", version=version)
-    logger.log_hyperparams({"determinism/seed": 5, "determinism/flag": True, "determinism/none": None, "x": 0.25})
+    logger.log_hyperparams({"determinism/seed": seed, "determinism/flag": True, "determinism/none": None, "x": 0.25})
     logger.experiment.add_text("determinism/fingerprint", "f" * 64, 3)
     logger.experiment.add_text("determinism/fingerprint/final", "e" * 64, 4)
     logger.log_hyperparams({"determinism/late": "v"})
@@ -51,15 +51,20 @@ def test_hparams_yaml_with_a_users_python_object_reads(tmp_path):
 
 def test_unusable_logger_directories_are_refused_in_one_line(tmp_path, capsys):
     tensorboard_run(tmp_path / "two", 0)
-    tensorboard_run(tmp_path / "two", 1)
+    tensorboard_run(tmp_path / "two", 1, seed=6)
     plain = tmp_path / "plain" / "csv" / "version_0"
     plain.mkdir(parents=True)
     (plain / "hparams.yaml").write_text("lr: 0.1\n")
     garbage = tmp_path / "garbage" / "events.out.tfevents.1.host"
     garbage.parent.mkdir()
     garbage.write_bytes(b"\x05" + b"\x00" * 11 + b"\xff\xff\xff\xff\xff" + b"\x00" * 4)
-    with pytest.raises(RecordError, match="holds the logs of 2 runs"):
+    with pytest.raises(RecordError, match="holds the logs of 2 runs whose records differ"):
         read_record(tmp_path / "two")
+    tensorboard_run(tmp_path / "same", 0)  # one run's logs twice (a CSV and a TensorBoard logger): read as one
+    tensorboard_run(tmp_path / "same", 1)
+    assert read_record(tmp_path / "same") == read_record(tmp_path / "same" / "tb" / "version_0")[:1] + (
+        tmp_path / "same",
+    )
     for path, message in (
         (plain, f"{plain}: no determinism record in the logger's files"),
         (garbage.parent, f"{garbage}: not a readable TensorBoard event file"),
