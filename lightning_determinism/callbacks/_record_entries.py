@@ -145,7 +145,7 @@ def run_entries(identity: Mapping[str, Any]) -> dict[str, Any]:
     return flat({key: value for key, value in identity.items() if key not in _RECORDED}, f"{PREFIX}run/")
 
 
-def _needs_every_rank(model: torch.nn.Module) -> bool:
+def needs_every_rank(model: torch.nn.Module) -> bool:
     """Whether the model's fingerprint is a collective (sharded ``DTensor`` parameters or buffers)."""
     return any(is_dtensor(t) for t in (*model.parameters(), *model.buffers()))
 
@@ -160,10 +160,10 @@ def model_fingerprint(model: torch.nn.Module, rank: int, state_dict: Any = None)
     if state_dict is not None:
         state = state_dict()
         return fingerprint(state) if rank == 0 else None
-    if rank != 0 and not _needs_every_rank(model):
+    if rank != 0 and not needs_every_rank(model):
         return None
     value = fingerprint(model)
     return value if rank == 0 else None
 
 
-__all__ = ["build_record", "gather_streams", "local_streams", "model_fingerprint", "run_entries"]
+__all__ = ["build_record", "gather_streams", "local_streams", "model_fingerprint", "needs_every_rank", "run_entries"]

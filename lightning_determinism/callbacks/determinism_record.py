@@ -23,7 +23,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_determinism._compat.access import logs_hyperparameters
-from lightning_determinism.callbacks._record_entries import build_record, gather_streams, model_fingerprint, run_entries
+from lightning_determinism.callbacks._record_entries import (
+    build_record,
+    gather_streams,
+    model_fingerprint,
+    needs_every_rank,
+    run_entries,
+)
 from lightning_determinism.callbacks.run_identity import run_identity
 from lightning_determinism.divergence.logger_record import HPARAMS_FILE
 from lightning_determinism.divergence.run_record import (
@@ -150,8 +156,8 @@ class DeterminismRecord(Callback):
         # collective) is taken now, on every rank, for it. The pass changes no weight.
         from lightning_determinism.callbacks.preemption import PreemptionCheckpoint
 
-        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
-            return
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not needs_every_rank(pl_module):
+            return  # a model without shards is fingerprinted by rank 0 alone, at the save
         if any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):  # type: ignore[attr-defined]
             self._evaluation_fingerprint = self._fingerprint(trainer, pl_module)
 
