@@ -1,11 +1,14 @@
 """DeterminismRecord on one process: how the seed was chosen, the user's keys kept, one callback, off by one flag."""
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_determinism import DeterminismRecord, DeterministicSingleDeviceStrategy
 from lightning_determinism.divergence.run_record import CHECKPOINT_KEY
@@ -53,3 +56,36 @@ def test_log_record_false_logs_none_of_it(tmp_path):
 def test_log_record_must_be_a_bool():
     with pytest.raises(TypeError, match=r"`log_record` must be a bool, got 'no'"):
         DeterministicSingleDeviceStrategy(device="cpu", log_record="no")
+
+
+def test_a_save_during_validation_uses_the_sharded_fingerprint_taken_at_the_pass_start(tmp_path, monkeypatch):
+    # A PreemptionCheckpoint saves during a validation pass on rank 0 alone: a sharded model's fingerprint (a
+    # collective) must then be the one every rank took at the pass's start.
+    import torch.distributed as dist
+    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_determinism import PreemptionCheckpoint, fingerprint
+    from lightning_determinism.callbacks import determinism_record
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    model = torch.nn.Linear(2, 2)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    expected = fingerprint(model)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False, callbacks=[PreemptionCheckpoint()],
+        training=False, global_rank=0, global_step=3, strategy=None, loggers=[],
+    )  # fmt: skip
+    record = DeterminismRecord()
+    record.on_validation_start(trainer, model)
+
+    def collective(*args):
+        raise AssertionError("a collective during the pass")
+
+    monkeypatch.setattr(determinism_record, "model_fingerprint", collective)
+    checkpoint = {}
+    record.on_save_checkpoint(trainer, model, checkpoint)
+    assert checkpoint[CHECKPOINT_KEY] == {"fingerprint": expected, "global_step": 3}
+    trainer.training = True  # a save in training is taken then, by every rank
+    with pytest.raises(AssertionError, match="a collective during the pass"):
+        record.on_save_checkpoint(trainer, model, {})
