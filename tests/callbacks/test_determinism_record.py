@@ -89,3 +89,16 @@ def test_a_save_during_validation_uses_the_sharded_fingerprint_taken_at_the_pass
     trainer.training = True  # a save in training is taken then, by every rank
     with pytest.raises(AssertionError, match="a collective during the pass"):
         record.on_save_checkpoint(trainer, model, {})
+
+
+def test_the_record_holds_the_invariant_modes_b_m_and_k():
+    from lightning_determinism.callbacks._record_entries import build_record, local_streams
+
+    strategy = DeterministicSingleDeviceStrategy(
+        device="cpu", debug_mode="warn", global_batch_size=8, micro_batch_size=2
+    )
+    record = build_record(strategy, [local_streams()], {"optimizer": "SGD", "world_size": 1}, "32-true")
+    assert (record["determinism/invariant/global_batch_size"], record["determinism/invariant/micro_batch_size"],
+            record["determinism/invariant/micro_batches_per_rank"]) == (8, 2, 4)  # fmt: skip
+    assert record["determinism/debug_mode"] == "warn" and record["determinism/run/optimizer"] == "SGD"
+    assert "determinism/run/world_size" not in record and record["determinism/world_size"] == 1
