@@ -145,9 +145,8 @@ def load_into_plain_model(path: Path, model: Any, optimizers: list[Any], strict:
             f"{path}: the checkpoint holds {len(states)} optimizer states and the run has {len(optimizers)} optimizers"
         )
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    for optimizer, state in zip(optimizers, states, strict=False):
-        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
-        set_optimizer_state_dict(model, inner, optim_state_dict=state, options=options)
+    for optimizer, state in zip(optimizers, states, strict=False):  # the strategy's: torch optimizers
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
     return checkpoint
 
 
