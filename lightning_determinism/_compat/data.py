@@ -7,8 +7,12 @@ time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import sys
+import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -259,12 +263,81 @@ def hf_shuffles(dataset: Any) -> bool:
     return node is not None or not hasattr(dataset, "_ex_iterable")
 
 
+class _InTurnExecutor:
+    """``concurrent.futures``' executor interface that runs each task at once, in the calling thread."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # handed to whoever waits on the future, as a pool's worker thread does
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> _InTurnExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _FuturesInTurn:
+    """``concurrent.futures`` as Hugging Face's ``iterable_dataset`` module sees it: pools run in turn where asked."""
+
+    def __init__(self) -> None:
+        self.real = concurrent.futures
+
+    def ThreadPoolExecutor(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (the name it stands in for)
+        if getattr(_IN_TURN, "on", False):
+            return _InTurnExecutor()
+        return self.real.ThreadPoolExecutor(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+_IN_TURN = threading.local()
+
+
+@contextlib.contextmanager
+def hf_shards_in_turn(dataset: Any) -> Iterator[None]:
+    """Within (this thread): a Hugging Face stream reads its shards in turn, not in its prefetch threads.
+
+    ``datasets`` (5.2 here) interleaves a stream's shards (several files, ``to_iterable_dataset(num_shards=...)``,
+    ``from_generator`` with lists in ``gen_kwargs``) by fetching each shard's next example in a thread pool: the
+    user's functions of the pipeline (``map``, ``filter``, the generator) then draw from the process's one random
+    stream in the order the threads happen to run, so the same seeds give other samples' contents (noise, masking,
+    cropping) on every run and a resume cannot be bitwise. Read in turn, the draws come in the stream's own order;
+    the examples and their order are the pool's. Nothing changes for other datasets, or where ``datasets`` has no
+    such pool.
+    """
+    module = sys.modules.get("datasets.iterable_dataset")
+    if module is None or not type(dataset).__module__.startswith("datasets."):
+        yield
+        return
+    if isinstance(getattr(module, "concurrent", None), type(concurrent)):  # the package: stand in for its futures
+        module.concurrent = types.SimpleNamespace(futures=_FuturesInTurn())  # type: ignore[attr-defined]
+    before = getattr(_IN_TURN, "on", False)
+    _IN_TURN.on = True
+    try:
+        yield
+    finally:
+        _IN_TURN.on = before
+
+
 __all__ = [
     "base_index_sampler",
     "drop_loader_iterator",
     "forget_worker_pids",
     "hf_as_node",
     "hf_node",
+    "hf_shards_in_turn",
     "hf_shuffles",
     "litdata_default_drop_last",
     "litdata_exact_restripe",

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from lightning_determinism._compat.data import hf_shards_in_turn
 from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, elastic_items, skip_delivered
 from lightning_determinism.data.stream_state import (
     IsolatedStreams,
@@ -85,7 +86,7 @@ class StreamProxy(IterableDataset):  # type: ignore[type-arg]
         worker = info.id if info is not None else 0
         epoch = int(self.plan.epoch)
         context = self.isolated.active() if info is None and self.isolated is not None else contextlib.nullcontext()
-        with context:
+        with context, hf_shards_in_turn(self.dataset):
             seed_stream(stream_seed(self.plan.base_seed, self.plan.rank, worker, epoch), self.dataset, epoch)
             resume = None
             if epoch == self.plan.resume_epoch and epoch not in self._resumed:
@@ -112,7 +113,22 @@ class StreamProxy(IterableDataset):  # type: ignore[type-arg]
         _ACTIVE[self.plan.token] = (worker, self.dataset, self.stateful and not elastic)
         if resume is not None:
             _CHECKS[self.plan.token] = checks
+        if type(self.dataset).__module__.startswith("datasets."):
+            return _in_turn(iterator, self.dataset)
         return iterator
+
+
+def _in_turn(iterator: Iterator[Any], dataset: Any) -> Iterator[Any]:
+    """``iterator``, each item drawn with Hugging Face's shards read in turn (``_compat.data.hf_shards_in_turn``)."""
+    while True:
+        with hf_shards_in_turn(dataset):
+            item = next(iterator, _END)
+        if item is _END:
+            return
+        yield item
+
+
+_END = object()
 
 
 _CHECKS: dict[str, Checks] = {}

@@ -4,6 +4,7 @@ import importlib.util
 import itertools
 import os
 import random
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -106,6 +107,25 @@ def test_a_hugging_face_stream_uses_its_state_unless_it_shuffles_through_a_buffe
     stream = Dataset.from_dict({"id": list(range(8))}).to_iterable_dataset(num_shards=2)
     assert has_state_protocol(stream)
     assert not has_state_protocol(stream.shuffle(seed=1, buffer_size=4))  # datasets #7901: the buffer is lost
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs datasets (.[streaming])")
+def test_a_hugging_face_stream_drawing_in_its_pipeline_resumes_with_the_same_draws():
+    from datasets import Dataset
+
+    threads = set()
+
+    def noise(example):  # datasets runs a pipeline's functions in the threads that read its shards
+        threads.add(threading.get_ident())
+        return {"id": example["id"], "noise": torch.randn(2).tolist()}
+
+    stream = Dataset.from_dict({"id": list(range(24))}).to_iterable_dataset(num_shards=4)
+    stream = stream.map(noise).shuffle(seed=1, buffer_size=4).with_format("torch")
+    head, tail, again = resumed_batches(stream, 3)
+    assert threads == {threading.get_ident()}  # read in turn: the draws come in the stream's order
+    assert len(head) == 3 and len(tail) == 5
+    for a, b in zip(tail, again, strict=True):
+        assert torch.equal(a["id"], b["id"]) and torch.equal(a["noise"], b["noise"])
 
 
 def test_the_state_protocol_needs_both_methods():

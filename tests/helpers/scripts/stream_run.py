@@ -106,15 +106,24 @@ class StatefulShuffled(Shuffled):
             yield {"id": i, "x": FEATURES[i] + 0.1 * torch.randn(8)}
 
 
+def hf_noise(example: dict) -> dict:
+    """Noise drawn in the pipeline: datasets runs it in the threads that read its shards (see hf_dataset)."""
+    return {"id": example["id"], "x": (torch.tensor(example["x"]) + 0.1 * torch.randn(8)).tolist()}
+
+
 def hf_dataset(buffer: bool = True):
-    """Shuffled through a buffer (replayed: its state drops the buffer), or only by shards (restored by its state)."""
+    """Shuffled through a buffer (replayed: its state drops the buffer), or only by shards (restored by its state).
+
+    The shuffled one draws noise in a ``map`` before the buffer: datasets reads its 8 shards in a thread pool, so the
+    draws came in the threads' order (other bits on every run) until the strategies read them in turn.
+    """
     from datasets import Dataset
     from datasets.distributed import split_dataset_by_node
 
     rank, world = _rank_world()
     data = Dataset.from_dict({"id": list(range(N)), "x": FEATURES.tolist()})
     stream = data.to_iterable_dataset(num_shards=8)
-    stream = stream.shuffle(seed=3, buffer_size=6) if buffer else stream
+    stream = stream.map(hf_noise).shuffle(seed=3, buffer_size=6) if buffer else stream
     return split_dataset_by_node(stream, rank=rank, world_size=world).with_format("torch")
 
 
