@@ -33,3 +33,6 @@ def test_two_fabric_ranks_build_the_same_weights_then_draw_apart(tmp_path):
         assert rank["draw"] == (torch.manual_seed(base + r), torch.rand(4))[1].tolist()
     assert ranks[0]["draw"] != ranks[1]["draw"]
     assert f"Seed set to {base} by lightning_determinism (drawn on rank 0" in err + out
+    for r in (0, 1):  # rank 0 is the user's process: nothing of the run's seed is left in it (nor in rank 1)
+        left = json.loads((tmp_path / f"after{r}.json").read_text())
+        assert left == {"PL_GLOBAL_SEED": None, "LDET_BASE_SEED": None, "LDET_LOCAL_SEED": None}
