@@ -70,11 +70,16 @@ def save_published(strategy: Any, path: Any, write: Callable[[Path], None], step
     if failed is None and rank == 0:
         try:
             write_mark(hidden, token, world_size, step, {k: v for _, d in outcomes for k, v in d.items()})
-            publish(hidden, final)
         except Exception as err:  # noqa: BLE001  (said by every rank: the others wait for rank 0's word)
             failed = _failure(err, rank, hidden)
     if rank == 0 and failed is not None:
         shutil.rmtree(hidden, ignore_errors=True)  # the space a full disk needs back; the final name was untouched
+    elif rank == 0:
+        try:
+            publish(hidden, final)
+        except Exception as err:  # noqa: BLE001  (the renames: both checkpoints are kept, settled before a resume)
+            failed = _failure(err, rank, hidden)
+            failed.published = False
     failed = strategy.broadcast(failed if rank == 0 else None)  # no rank reads or saves before it is in place
     if failed is not None:
         failed.raise_for(final, rank)
@@ -91,12 +96,19 @@ class _Failure:
 
     def __init__(self, rank: int, errno: int | None, what: str, where: str) -> None:
         self.rank, self.errno, self.what, self.where = rank, errno, what, where
+        self.published: bool | None = None  # False: the publish's renames failed (None: before them)
 
     def raise_for(self, final: Path, rank: int) -> None:
-        said = (
-            f"[rank: {rank}] the distributed save of {final} failed on rank {self.rank}{self.where}: {self.what};"
-            f" nothing was published: {final.name} is the previous checkpoint, whole"
-        )
+        if self.published is False:
+            said = (
+                f"[rank: {rank}] publishing the distributed save of {final} failed on rank 0: {self.what}; both"
+                " checkpoints are kept, the complete one is put in place before the next resume or save"
+            )
+        else:
+            said = (
+                f"[rank: {rank}] the distributed save of {final} failed on rank {self.rank}{self.where}: {self.what};"
+                f" nothing was published: {final.name} is the previous checkpoint, whole"
+            )
         if self.errno is not None:
             raise OSError(self.errno, said)
         raise RuntimeError(said)

@@ -24,6 +24,7 @@ from lightning_determinism.checkpoints.distributed_save import check_before_load
 from lightning_determinism.checkpoints.file import DamagedCheckpointError
 from lightning_determinism.checkpoints.io import check_resume_path
 from lightning_determinism.checkpoints.publish import MARK
+from lightning_determinism.errors import DeterminismWarning
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -201,3 +202,38 @@ def test_without_distributed_checkpoints_the_one_file_is_written_atomically_and_
     path.write_bytes(bytes(data))
     with pytest.raises(DamagedCheckpointError, match=r"^\[rank: 0\] .*step=4\.ckpt: a damaged or truncated checkpoint"):
         check_before_load(path, 0)
+
+
+def _publish_fails(rank, world_size, root):
+    """Step 2 saved; at step 4 rank 0's second rename fails (no RENAME_EXCHANGE: the old one already put aside)."""
+    from lightning_determinism.checkpoints import publish as publish_module
+
+    final = root / "last.ckpt"
+    save_published(_Ranks(), final, _lightnings_save(2), 2)
+
+    def rename(source, target):
+        if Path(target) == final:  # the second rename: the new checkpoint into place
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        os.replace(source, target)
+
+    publish_module._exchange, publish_module.os.rename = (lambda a, b: False), rename
+    try:
+        save_published(_Ranks(), final, _lightnings_save(4), 4)
+    except OSError as err:
+        (root / f"error{rank}.txt").write_text(str(err))
+
+
+def test_a_publish_that_fails_between_its_renames_keeps_both_checkpoints_and_says_so(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_distributed(_publish_fails, tmp_path, out)
+    for rank in (0, 1):
+        message = (out / f"error{rank}.txt").read_text()
+        assert message.startswith(f"[Errno 5] [rank: {rank}] publishing the distributed save of {out / 'last.ckpt'}")
+        assert message.endswith(
+            "both checkpoints are kept, the complete one is put in place before the next resume or save"
+        )
+    assert not (out / "last.ckpt").exists()  # between the renames: the new one is hidden beside the old one
+    with pytest.warns(DeterminismWarning, match="a save was killed while publishing it; the new checkpoint"):
+        check_resume_path(DeterministicModelParallelStrategy(), out / "last.ckpt")
+    assert json.loads((out / "last.ckpt" / MARK).read_text())["global_step"] == 4
