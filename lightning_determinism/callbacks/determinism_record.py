@@ -57,6 +57,8 @@ def _log_hyperparams(logger: Any, params: dict[str, Any]) -> None:
     except NotImplementedError:
         import yaml
 
+        if getattr(logger, "log_dir", None) is None:  # a logger of no directory and no hyperparameters: nowhere
+            return
         _ = logger.experiment  # made first: it warns of a directory that already holds files
         path = Path(logger.log_dir) / HPARAMS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
