@@ -164,6 +164,19 @@ def checkpoint_connector_class() -> Any:
     return _private(module, "_CheckpointConnector")
 
 
+def ckpt_path_hooks() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``_CheckpointConnector._parse_ckpt_path`` (resolves ``"last"``, ...) and ``.resume_start`` (loads the file)."""
+    connector = checkpoint_connector_class()
+    return _private(connector, "_parse_ckpt_path"), _private(connector, "resume_start")
+
+
+def replace_ckpt_path_hooks(parse: Callable[..., Any], resume: Callable[..., Any]) -> None:
+    """Put ``parse`` and ``resume`` in place of :func:`ckpt_path_hooks`' two functions, for every trainer."""
+    connector = checkpoint_connector_class()
+    connector._parse_ckpt_path = parse
+    connector.resume_start = resume
+
+
 def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     """The checkpoint ``trainer.save_checkpoint`` would write, built here without its barrier (rank 0 alone)."""
     return _private(trainer, "_checkpoint_connector").dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
@@ -332,6 +345,7 @@ __all__ = [
     "accelerator_connector",
     "checkpoint_connector",
     "checkpoint_connector_class",
+    "ckpt_path_hooks",
     "combined_loader",
     "combined_mode",
     "ddp_comm_hook",
@@ -357,6 +371,7 @@ __all__ = [
     "metric_defaults",
     "module_trainer",
     "profiler_running",
+    "replace_ckpt_path_hooks",
     "start_scope_profiler",
     "stop_scope_profiler",
     "replace_backward_sync_control",

@@ -35,7 +35,7 @@ from typing import Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_determinism._compat.access import checkpoint_connector, checkpoint_connector_class
+from lightning_determinism._compat.access import checkpoint_connector, ckpt_path_hooks, replace_ckpt_path_hooks
 from lightning_determinism._process import distributed
 from lightning_determinism.checkpoints.io import finish_interrupted_publishes_of, local_path
 from lightning_determinism.checkpoints.publish import MARK, finish_interrupted_publish
@@ -167,8 +167,7 @@ def install() -> None:
     """Wrap Lightning's resolution and loading of ``ckpt_path`` (idempotent; see the module's docstring)."""
     if _originals:
         return
-    connector = checkpoint_connector_class()
-    parse, resume = connector._parse_ckpt_path, connector.resume_start
+    parse, resume = ckpt_path_hooks()
     _originals.update(parse=parse, resume=resume)
 
     @functools.wraps(parse)
@@ -189,8 +188,7 @@ def install() -> None:
             checkpoint_path = resolve()
         return resume(self, checkpoint_path, weights_only=weights_only)
 
-    connector._parse_ckpt_path = parse_once
-    connector.resume_start = resume_agreed
+    replace_ckpt_path_hooks(parse_once, resume_agreed)
 
 
 def _resolve(parse: Any, connector: Any, pending: tuple[Any, ...]) -> Any:
@@ -209,7 +207,7 @@ def resolve_before_launch(trainer: Any, ckpt_path: Any) -> Any:
     if trainer is None or not _found_on_disk(ckpt_path) or ckpt_path is None:
         return ckpt_path
     connector = checkpoint_connector(trainer)
-    parse = _originals.get("parse") or type(connector)._parse_ckpt_path
+    parse = _originals.get("parse") or ckpt_path_hooks()[0]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
