@@ -2,7 +2,7 @@
 
 A state dict of float32 tensors (``--megabytes``, 512 MB by default) is saved with torch.distributed.checkpoint on one
 process (the shard file a rank writes), then its shard file's size and CRC-32 taken as a rank takes them after its
-save (:func:`~lightning_determinism.checkpoints.publish.shard_digests`): warm (the file still in the page cache, as
+save (``lightning_determinism.checkpoints.shard_digests.shard_digests``): warm (the file still in the page cache, as
 right after the save) and cold (its pages dropped with ``posix_fadvise(DONTNEED)``, as a check before a resume reads
 it). Medians of ``--repeats``.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_determinism.checkpoints.publish import shard_digests
+from lightning_determinism.checkpoints.shard_digests import shard_digests
 
 
 def _drop_pages(directory: Path) -> None:

@@ -24,12 +24,8 @@ from typing import Any
 import torch
 
 from lightning_determinism.checkpoints.file import DamagedCheckpointError, load_failure_message
-from lightning_determinism.checkpoints.publish import (
-    SHARD_MARK,
-    check_save_parts,
-    verify_index_digest,
-    verify_shard_digests,
-)
+from lightning_determinism.checkpoints.publish import SHARD_MARK, check_save_parts
+from lightning_determinism.checkpoints.shard_digests import verify_index_digest, verify_shard_digests
 
 META = "meta.pt"  # Lightning's _METADATA_FILENAME: rank 0's part of the checkpoint
 INDEX = ".metadata"  # DCP's index of the shards

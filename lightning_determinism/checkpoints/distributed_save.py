@@ -20,16 +20,14 @@ from lightning_determinism._process import distributed
 from lightning_determinism.checkpoints.distributed import META, check_distributed_checkpoint
 from lightning_determinism.checkpoints.file import DamagedCheckpointError, verify_checksums
 from lightning_determinism.checkpoints.publish import (
-    INDEX_NAME,
-    SHARD_SUFFIX,
     finish_interrupted_publish,
     hidden_path,
     new_token,
     publish,
-    shard_digests,
     shard_entries,
     write_mark,
 )
+from lightning_determinism.checkpoints.shard_digests import INDEX_NAME, SHARD_SUFFIX, shard_digests
 from lightning_determinism.seeding.rank_states import all_gather
 
 

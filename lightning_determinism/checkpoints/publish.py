@@ -8,7 +8,8 @@ save instead:
 1. writes every rank's part into a hidden sibling ``.NAME.TOKEN.tmp/`` (``_`` of the name spelt ``-``: Lightning's
    ``hpc_ckpt_N`` lookup and its ``last*.ckpt`` glob see none of it), the token drawn by rank 0 and broadcast;
 2. marks each part with the token: every rank's shard file holds the entry ``lightning_determinism_save_RANK``; each
-   rank takes the size and CRC-32 of the shard files it wrote (:func:`shard_digests`), and rank 0 writes
+   rank takes the size and CRC-32 of the shard files it wrote
+   (:func:`~lightning_determinism.checkpoints.shard_digests.shard_digests`), and rank 0 writes
    :data:`MARK` last, naming the token, the world size, the step, the size and CRC-32 of ``meta.pt`` and those of
    every shard file;
 3. once every rank has written (a barrier), rank 0 publishes it: where the final name exists, the two directories
@@ -19,8 +20,8 @@ At every instant the final name is the complete old checkpoint, the complete new
 where the swap is not available) missing with both complete ones hidden beside it:
 :func:`finish_interrupted_publish` then puts the new one in place (the next save does, and the check before a resume
 from that name). :func:`check_save_parts` refuses a directory whose parts carry different marks, and
-:func:`verify_shard_digests` a shard file whose bytes are not the ones its rank wrote (a flipped bit loads silently
-otherwise: DCP keeps no checksum).
+:func:`~lightning_determinism.checkpoints.shard_digests.verify_shard_digests` a shard file whose bytes are not the
+ones its rank wrote (a flipped bit loads silently otherwise: DCP keeps no checksum).
 
 This module knows ``os`` and, to read a shard's mark, torch's DCP index; nothing of Lightning.
 """
@@ -35,24 +36,17 @@ import os
 import re
 import secrets
 import shutil
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from lightning_determinism.checkpoints.file import DamagedCheckpointError
+from lightning_determinism.checkpoints.shard_digests import INDEX_NAME, MARK, SHARD_SUFFIX, size_and_crc
 
-MARK = "lightning_determinism_save.json"
-"""Rank 0's record of the save a distributed checkpoint directory holds, written after every other part."""
 SHARD_MARK = "lightning_determinism_save_"
 """The prefix of the entry each rank adds to its shards: ``lightning_determinism_save_<rank>`` -> ``token:rank``."""
-SHARD_SUFFIX = ".distcp"
-"""DCP's shard files: ``__RANK_N.distcp``."""
-INDEX_NAME = ".metadata"  # DCP's index of the shards
 _META = "meta.pt"  # Lightning's rank 0 part (checkpoints.distributed.META; not imported: it imports this module)
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 _RENAME_EXCHANGE = 2
-_CHUNK = 1 << 22  # 4 MiB reads: zlib.crc32 at memory speed, a small buffer
 
 
 def new_token() -> str:
@@ -118,17 +112,17 @@ def write_mark(
         token: the save's token.
         world_size: how many ranks wrote shards.
         step: the global step saved (``None`` where there is none).
-        shards: every shard file's ``(size, CRC-32)`` by name (:func:`shard_digests` of every rank); a shard file of
-            the directory not in it is read here.
+        shards: every shard file's ``(size, CRC-32)`` by name (``shard_digests`` of every rank); a shard file of
+            the directory not in it, and DCP's index, are read here.
     """
     directory = Path(directory)
     with open(directory / _META, "rb") as meta:
         os.fsync(meta.fileno())  # the bytes the mark vouches for are on disk before it is
-    size, crc = _size_and_crc(directory / _META)
+    size, crc = size_and_crc(directory / _META)
     digests = dict(shards or {})
     for name in sorted(os.listdir(directory)):
         if (name.endswith(SHARD_SUFFIX) or name == INDEX_NAME) and name not in digests:  # the index, unclaimed files
-            digests[name] = _size_and_crc(directory / name)
+            digests[name] = size_and_crc(directory / name)
     mark = {
         "token": token, "world_size": world_size, "global_step": step, "meta_size": size, "meta_crc32": crc,
         "shards": {name: list(value) for name, value in sorted(digests.items())},
@@ -137,113 +131,6 @@ def write_mark(
         json.dump(mark, file)
         file.flush()
         os.fsync(file.fileno())
-
-
-def _size_and_crc(path: Path) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(path, "rb", buffering=0) as file:
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        while read := file.readinto(buffer):
-            crc, size = zlib.crc32(view[:read], crc), size + read  # zlib releases the GIL: files hash in threads
-    return size, crc
-
-
-def shard_digests(directory: str | os.PathLike[str], rank: int) -> dict[str, tuple[int, int]]:
-    """Each rank, once its DCP save returned: the ``(size, CRC-32)`` of the shard files it wrote (``__RANK_*.distcp``).
-
-    Examples:
-        >>> import tempfile
-        >>> directory = Path(tempfile.mkdtemp())
-        >>> _ = (directory / "__1_0.distcp").write_bytes(b"shard")
-        >>> shard_digests(directory, 1), shard_digests(directory, 0)
-        ({'__1_0.distcp': (5, 2550246860)}, {})
-    """
-    directory = Path(directory)
-    prefix = f"__{rank}_"
-    return {
-        name: _size_and_crc(directory / name)
-        for name in sorted(os.listdir(directory))
-        if name.startswith(prefix) and name.endswith(SHARD_SUFFIX)
-    }
-
-
-def _recorded_shards(mark: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    shards = mark.get("shards") or {}
-    return {str(name): (int(value[0]), int(value[1])) for name, value in shards.items()}
-
-
-def verify_index_digest(path: str | os.PathLike[str]) -> None:
-    """Before DCP's index is unpickled: it is the one its save wrote (size and CRC-32 in :data:`MARK`, where recorded).
-
-    Raises:
-        DamagedCheckpointError: one line naming the directory and its index.
-    """
-    try:
-        mark = json.loads((Path(path) / MARK).read_text())
-    except (OSError, ValueError):
-        return  # no mark (stock Lightning's save), or a damaged one: check_save_parts says so
-    if not isinstance(mark, dict) or INDEX_NAME not in (mark.get("shards") or {}):
-        return
-    try:
-        verify_shard_digests(path, {"shards": {INDEX_NAME: mark["shards"][INDEX_NAME]}})
-    except DamagedCheckpointError:
-        if _another_saves_index(Path(path), str(mark.get("token"))):
-            return  # whole, but another save's: check_save_parts names the save
-        raise
-
-
-def _another_saves_index(path: Path, token: str) -> bool:
-    """Whether the index unpickles whole and was written by another save than ``token``'s."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        written_at = FileSystemReader(path).read_metadata().storage_meta.checkpoint_id  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001  (damaged: any error may come of the pickle)
-        return False
-    return written_at is not None and token not in os.fspath(written_at)
-
-
-def verify_shard_digests(path: str | os.PathLike[str], mark: dict[str, Any], share: tuple[int, int] = (0, 1)) -> None:
-    """Check the shard files against the sizes and CRC-32s their ranks recorded in the save's mark.
-
-    A mark without digests (an earlier release) passes. Files are read in threads (zlib releases the GIL).
-
-    Args:
-        path: the distributed checkpoint directory.
-        mark: its :data:`MARK`, read (:func:`check_save_parts` returns it).
-        share: ``(rank, world_size)``: this process checks every ``world_size``-th file from the ``rank``-th (the
-            ranks share the reading at load); ``(0, 1)``: all of them.
-
-    Raises:
-        DamagedCheckpointError: one line naming the directory and the first shard file that does not match.
-    """
-    path = Path(path)
-    recorded = sorted(_recorded_shards(mark).items())
-    rank, world_size = share
-    mine = recorded[rank::world_size]
-    if not mine:
-        return
-
-    def damaged(name: str) -> str:
-        what = f"its index {name}" if name == INDEX_NAME else f"the shard file {name}"
-        return f"{path}: a damaged distributed checkpoint: {what}"
-
-    for name, (size, _) in mine:
-        try:
-            found = (path / name).stat().st_size
-        except OSError:
-            raise DamagedCheckpointError(f"{damaged(name)} that {MARK} names is missing") from None
-        if found != size:
-            raise DamagedCheckpointError(f"{damaged(name)} is {found} bytes, its rank wrote {size}")
-    with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 8))) as pool:
-        computed = list(pool.map(lambda item: _size_and_crc(path / item[0]), mine))
-    for (name, (_, crc)), (_, found_crc) in zip(mine, computed, strict=True):
-        if found_crc != crc:
-            raise DamagedCheckpointError(
-                f"{damaged(name)} does not match the CRC-32 its rank recorded when it wrote it ({found_crc:08x},"
-                f" written {crc:08x}: flipped or overwritten bytes)"
-            )
 
 
 def publish(hidden: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
@@ -360,7 +247,7 @@ def check_save_parts(path: str | os.PathLike[str], index: Any) -> dict[str, Any]
     nothing says what belongs together.
 
     Returns:
-        The save's mark (for :func:`verify_shard_digests`), ``None`` for a directory without one.
+        The save's mark (for ``shard_digests.verify_shard_digests``), ``None`` for a directory without one.
 
     Args:
         path: the directory.
@@ -385,7 +272,7 @@ def check_save_parts(path: str | os.PathLike[str], index: Any) -> dict[str, Any]
             f"{path}: a damaged distributed checkpoint: {MARK} cannot be read ({err})"
         ) from err
     this = f"save {token} (step {step})"
-    if _size_and_crc(path / _META) != written:
+    if size_and_crc(path / _META) != written:
         raise DamagedCheckpointError(f"{mixed} {_META}{_meta_step(path)} is not the one {this} wrote")
     expected = [f"{SHARD_MARK}{rank}" for rank in range(world_size)]
     if sorted(marked) != sorted(expected):
@@ -438,16 +325,12 @@ def _meta_step(path: Path) -> str:
 __all__ = [
     "MARK",
     "SHARD_MARK",
-    "SHARD_SUFFIX",
     "check_save_parts",
     "finish_interrupted_publish",
     "finish_interrupted_publishes",
     "hidden_path",
     "new_token",
     "publish",
-    "shard_digests",
     "shard_entries",
-    "verify_index_digest",
-    "verify_shard_digests",
     "write_mark",
 ]
