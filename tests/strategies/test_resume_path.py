@@ -9,6 +9,7 @@ another run's newer ``last-v1.ckpt`` appears, then rank 1 may list it.
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,10 @@ def _race(rank, world_size, out, older, newer):
             shutil.copy(newer, directory / "last-v1.ckpt")  # another run's save, newer than last.ckpt
             looked.write_text("")
             return found
+        deadline = time.monotonic() + 30
         while not looked.exists():  # the hand-shake: rank 1 lists only once the directory has changed
-            pass
+            assert time.monotonic() < deadline, "rank 0 never listed the directory"
+            time.sleep(0.005)
         return original(self, trainer)
 
     ModelCheckpoint._find_last_checkpoints = racing
