@@ -15,6 +15,9 @@ resumable instead (its class becomes a subclass of its own with the methods of :
   sample is read, then puts back the RNG states restored from the checkpoint, so everything after continues as in
   the uninterrupted run.
 
+A saved position that cannot be resumed here is refused, or warned about, before the first batch
+(:mod:`~lightning_determinism.data._resume_checks`).
+
 Randomness drawn inside data-loader workers lives in processes that cannot be checkpointed: with ``num_workers > 0``
 the workers of a resumed iterator take over the roles of the uninterrupted run's and replay their earlier fetches
 (:mod:`~lightning_determinism.data._worker_replay`), unless :class:`~lightning_determinism.WorkerSeedCallback`
@@ -32,21 +35,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_determinism._compat.checks import set_sampler_epoch
 from lightning_determinism._compat.data import base_index_sampler, loader_iterator
-from lightning_determinism._process import distributed
 from lightning_determinism.data import deal as deals
 from lightning_determinism.data._index_skip import DealtOnce, SkipOnce, prime
+from lightning_determinism.data._resume_checks import check_deal, check_shape, warn_if_not_bitwise
 from lightning_determinism.data._worker_replay import RoleWorkerInit, WorkerReplay, consumed_indices
 from lightning_determinism.data._worker_start import create_iterator
 from lightning_determinism.data.fabric_epoch import FabricEpochIterator
-from lightning_determinism.data.positions import current_epoch, is_converted, peek_resume, shape_change, take_resume
+from lightning_determinism.data.positions import current_epoch, is_converted, peek_resume, take_resume
 from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.stream_loader import create_stream_iterator
-from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
 
 
@@ -93,7 +95,7 @@ class ResumableLoaderMixin:
             self._ldet_iterations += 1  # type: ignore[attr-defined]
         if self._ldet_resumable:
             if self._ldet_trainer() is None:  # Fabric; under a Trainer, load_state_dict checks (see there)
-                self._ldet_check_deal(peek_resume(None, self))
+                check_deal(self, peek_resume(None, self))
             if epoch is not None and not getattr(self, "_ldet_stream", False):  # Fabric: the loop's draws counted
                 return FabricEpochIterator(self, lambda: _LazyIterator(self))
             return _LazyIterator(self)  # type: ignore[arg-type]
@@ -101,16 +103,6 @@ class ResumableLoaderMixin:
 
     def _ldet_base(self) -> Any:
         return type(self).__bases__[0]
-
-    def _ldet_check_deal(self, resume: dict[str, Any] | None) -> None:
-        """Refuse a rest of an epoch that cannot be dealt here, or say how it is dealt; once, before its first batch."""
-        deal = resume.get("deal") if resume is not None else None
-        if deal is None or self._ldet_deal_checked is deal or not deals.needs_deal(deal, self):
-            return
-        message = deals.check_dealable(deal, self, int(resume["epoch"]), one_process=not distributed())  # type: ignore[index]
-        self._ldet_deal_checked = deal
-        if message is not None:
-            rank_zero_warn(message, category=DeterminismWarning)
 
     def _ldet_fork(self, create: Any) -> Any:
         """``create()`` the iterator; fork its workers again if one is stuck (see the module notes)."""
@@ -142,7 +134,7 @@ class ResumableLoaderMixin:
         here ends the run before training, cleanly (one raised from ``__iter__`` breaks Lightning's teardown, one at
         the first batch comes after the hooks that start training).
         """
-        self._ldet_check_deal(peek_resume(self._ldet_trainer(), self))
+        check_deal(self, peek_resume(self._ldet_trainer(), self))
 
     def _ldet_snapshot(self, fresh: bool) -> dict[str, Any]:
         state = {**capture_cpu_streams(), "fresh": int(fresh)}
@@ -197,7 +189,7 @@ class ResumableLoaderMixin:
         start = resume.get("epoch_start")
         skip = int(resume.get("skip", 0))
         if skip and resume.get("shape") is not None:
-            _check_shape(resume["shape"], self, skip, int(resume["epoch"]))
+            check_shape(resume["shape"], self, skip, int(resume["epoch"]))
         if start is None:
             # The epoch had not begun when the checkpoint was written; or the order depends on no RNG state (the
             # world-size-invariant sampler, resumed on another world size): skip without restoring states.
@@ -243,7 +235,7 @@ class ResumableLoaderMixin:
         iterator is created from them (its creation draws what the uninterrupted run's drew), then the states
         restored from the checkpoint are put back.
         """
-        self._ldet_check_deal({"deal": deal, "epoch": epoch})  # if it was not checked before the first batch
+        check_deal(self, {"deal": deal, "epoch": epoch})  # if it was not checked before the first batch
         self._ldet_set_epoch(epoch)
         now = self._ldet_snapshot(True)
         if start is not None:
@@ -268,7 +260,7 @@ class ResumableLoaderMixin:
         if not workers or not skip or getattr(getitems, "ldet_per_sample", False):
             return None  # nothing drawn in workers, nothing consumed, or every sample seeded by its index
         if not start.get("fresh", 1) or (getattr(self, "persistent_workers", False) and skip % workers):
-            _warn_if_not_bitwise(self)  # persistent workers: their states carry over from the epochs before
+            warn_if_not_bitwise(self)  # persistent workers: their states carry over from the epochs before
             return None
         batches = consumed_indices(self, create_single, skip)
         self._ldet_restore(start)
@@ -318,36 +310,6 @@ def _loader_epoch(loader: Any, trainer: Any) -> int:
         return current_epoch(trainer)
     epoch = getattr(loader, "_ldet_epoch", None)  # Fabric: the number of earlier iterations (set by __iter__)
     return int(epoch) if epoch is not None else 0
-
-
-def _check_shape(saved: dict[str, Any], loader: Any, skip: int, epoch: int) -> None:
-    """Refuse a mid-epoch position that other data or batches would misplace; warn when only the bits differ."""
-    moved, bits = shape_change(saved, loader)
-    if moved:
-        raise RuntimeError(
-            f"The checkpoint was written {skip} batches into epoch {epoch} of a training loader whose"
-            f" {', '.join(moved)} since: the saved position, a count of batches, would land on other samples and part"
-            " of the epoch would be trained twice or not at all. Resume from a checkpoint written at an epoch"
-            " boundary, or with the data and batch size it was written with."
-        )
-    if bits:
-        rank_zero_warn(
-            f"The checkpoint was written mid-epoch with {', '.join(bits)}: the interrupted epoch continues at its next"
-            " sample, but randomness drawn in the data-loader workers (augmentations) follows each worker's own"
-            " stream, so the rest of the epoch draws other numbers than the uninterrupted run. With"
-            " WorkerSeedCallback(per_sample=True) a sample's randomness does not depend on num_workers.",
-            category=DeterminismWarning,
-        )
-
-
-def _warn_if_not_bitwise(loader: Any) -> None:
-    rank_zero_warn(
-        "Resuming mid-epoch with persistent data-loader workers: the randomness they draw (augmentations) carries"
-        " over from the epochs before and cannot be restored or replayed (past the first epoch, or with the next"
-        " worker's role shifted into the epochs after), so the run may differ from the uninterrupted one. Use"
-        " WorkerSeedCallback(per_sample=True) to make every sample's randomness depend on (seed, epoch, index) only.",
-        category=DeterminismWarning,
-    )
 
 
 _CLASSES: dict[type, type] = {}
