@@ -14,7 +14,8 @@ the Trainer's contract holds in a hand-written loop, at these points of Fabric's
    samples are seeded as the Trainer's :class:`~lightning_determinism.WorkerSeedCallback` seeds them
    (:class:`~lightning_determinism.data.worker_seeding.LoaderSeeding`); loaders are numbered in the order they are set
    up, the first keyed like the Trainer's first training loader. A loader's epoch is the number of times it has
-   been iterated, as Fabric counts it for ``DistributedSampler.set_epoch``.
+   been iterated, as Fabric counts it for ``DistributedSampler.set_epoch``
+   (:mod:`~lightning_determinism.strategies.fabric_loaders`).
 
 :class:`~lightning_determinism.strategies.fabric_state.FabricRNGState` (re-exported here) goes into the state of
 ``fabric.save``/``fabric.load``: every rank's RNG state and its loaders' generators, epochs and positions inside an
@@ -50,9 +51,6 @@ from lightning_determinism._compat.access import (
 )
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
-from lightning_determinism.data.resumable import make_resumable
-from lightning_determinism.data.samplers import unpad_eval_dataloader
-from lightning_determinism.data.stateful import is_stateful_loader, make_stateful
 from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.invariance.invariant import describe, keep_local_gradients
 from lightning_determinism.invariance.tree import PairwiseAllReduce
@@ -60,6 +58,7 @@ from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.strategies.arguments import check_keywords, check_mesh_sizes, invariant_training
 from lightning_determinism.strategies.fabric_invariant import FabricInvariantLoop
+from lightning_determinism.strategies.fabric_loaders import prepare_loader
 from lightning_determinism.strategies.fabric_record import FabricRecord
 from lightning_determinism.strategies.fabric_run_end import end_run_with_launch
 from lightning_determinism.strategies.fabric_state import FabricRNGState, warn_unsaved_positions
@@ -251,38 +250,8 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
 
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:  # type: ignore[misc]
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        loop = self._ldet_invariant
-        if loop is not None and not loop.train_loader_set_up:  # the first loader is the training one
-            if not self._ldet_model_ready:
-                raise RuntimeError(
-                    "world-size-invariant training orders the training loader by the base seed, settled at the first"
-                    " `fabric.setup(model, ...)`: call it before `fabric.setup_dataloaders(...)`"
-                )
-            dataloader = loop.invariant.process_train_loader(dataloader, self.global_rank, self.world_size)  # type: ignore[attr-defined]
-            loop.train_loader_set_up = True
-        elif loop is not None:  # evaluation: every sample once (Fabric's DistributedSampler pads), as on one process
-            dataloader = unpad_eval_dataloader(dataloader)  # type: ignore[assignment]
-        if is_stateful_loader(dataloader):  # litdata: its own position, saved by FabricRNGState at the last batch
-            return make_stateful(dataloader, None)
-        if not isinstance(dataloader, DataLoader):
-            return dataloader
-        base = self._ldet_steps.base_seed
-        if base is None:
-            raise RuntimeError("`fabric.setup_dataloaders` ran before `fabric.launch()`: the base seed is unknown")
-        epoch = torch.zeros((), dtype=torch.int64).share_memory_()
-        if self.seed_workers:
-            if self._ldet_seeding is None:
-                owner = f"{type(self).__name__}(per_sample=True)" if self.per_sample else type(self).__name__
-                self._ldet_seeding = LoaderSeeding(base, self.global_rank, self.per_sample, owner=owner)  # type: ignore[attr-defined]
-            self._ldet_seeding.prepare(dataloader, "train", epoch)
-        # Every loader resumes mid-epoch: FabricRNGState keeps a stream's position, a map-style loader's batches drawn.
-        dataloader = make_resumable(dataloader, None)  # type: ignore[assignment]
-        dataloader._ldet_epoch = epoch  # type: ignore[attr-defined]  # set at each iter() (see resumable)
-        dataloader._ldet_iterations = 0  # type: ignore[attr-defined]
-        dataloader._ldet_backwards = lambda: self._ldet_backwards  # type: ignore[attr-defined]  # see data.fabric_epoch
-        self._ldet_loaders.append(weakref.ref(dataloader))
-        return dataloader
+        # Ordered or unpadded in the invariant mode, seeded, resumable mid-epoch (see strategies.fabric_loaders).
+        return prepare_loader(self, super().process_dataloader(dataloader))  # type: ignore[misc]
 
     @override
     def teardown(self) -> None:  # type: ignore[misc]
