@@ -192,13 +192,13 @@ PIECES: tuple[Piece, ...] = (
           and _exists(f"{_PL}.trainer.connectors.signal_connector:_SignalConnector._slurm_sigusr_handler_fn")()
           and _assigns(f"{_PL}.trainer.connectors.signal_connector:_SignalConnector", "_original_handlers")()),
     Piece("lightning.pytorch.Trainer._checkpoint_connector._parse_ckpt_path(state_fn, ckpt_path, model_provided,"
-          " model_connected), .resume_start(checkpoint_path, weights_only)",
+          " model_connected), .resume_start(checkpoint_path, ...)",
           "ckpt_path='last' is resolved by every rank from the filesystem; the deterministic strategies have rank 0"
           " resolve it and every rank check it loads the same checkpoint (no public hook between the two)",
           lambda: _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector._parse_ckpt_path",
                           "self", "state_fn", "ckpt_path", "model_provided", "model_connected")()
           and _exists(f"{_PL}.trainer.connectors.checkpoint_connector:_CheckpointConnector.resume_start",
-                      "self", "checkpoint_path", "weights_only")()),
+                      "self", "checkpoint_path")()),
     Piece("lightning.pytorch.Trainer._teardown, ._results (.batch)",
           "a rank stopping on purpose tears down as Lightning does; `_results.batch` tells a per-step collective",
           lambda: _exists(f"{_PL}:Trainer._teardown")() and _exists(f"{_PL}:Trainer._results")()

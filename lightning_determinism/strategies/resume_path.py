@@ -179,14 +179,15 @@ def install() -> None:
         return parse(self, state_fn, ckpt_path, model_provided, model_connected)
 
     @functools.wraps(resume)
-    def resume_agreed(self: Any, checkpoint_path: Any = None, weights_only: Any = None) -> Any:
+    def resume_agreed(self: Any, checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # Lightning 2.5.0's resume_start takes the path alone; later ones also take weights_only: passed on as given.
         pending = self.__dict__.pop(_PENDING, None)
         resolve = None if pending is None else functools.partial(_resolve, parse, self, pending)
         if _agreeing(self) and distributed():
             checkpoint_path = agree_on_checkpoint(self.trainer.strategy, checkpoint_path, resolve)
         elif resolve is not None:
             checkpoint_path = resolve()
-        return resume(self, checkpoint_path, weights_only=weights_only)
+        return resume(self, checkpoint_path, *args, **kwargs)
 
     replace_ckpt_path_hooks(parse_once, resume_agreed)
 
