@@ -120,11 +120,13 @@ class DeterminismRecord(Callback):
     def __init__(self) -> None:
         self._logged: set[str] = set()
         self._by_step: dict[int, list[str]] = {}
-        self._evaluation_fingerprint: str | None = None
+        # ((global_step, training), value) of the weights' last fingerprint: a second save of one step (a top-k
+        # file beside last.ckpt, a save during validation) reuses it instead of digesting the whole model again.
+        self._fingerprint_at: tuple[tuple[int, bool], str | None] | None = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._logged, self._by_step, self._evaluation_fingerprint = set(), {}, None
+        self._logged, self._by_step, self._fingerprint_at = set(), {}, None
         if not trainer.loggers:  # the same on every rank: no collective either
             return
         ranks = gather_streams()
@@ -148,9 +150,14 @@ class DeterminismRecord(Callback):
                 logger.save()
 
     def _fingerprint(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        when = (int(trainer.global_step), bool(trainer.training))
+        if self._fingerprint_at is not None and self._fingerprint_at[0] == when:  # the same on every rank
+            return self._fingerprint_at[1]
         strategy = trainer.strategy
         state_dict = strategy.lightning_module_state_dict if isinstance(strategy, FSDPStrategy) else None
-        return model_fingerprint(pl_module, trainer.global_rank, state_dict)
+        value = model_fingerprint(pl_module, trainer.global_rank, state_dict)
+        self._fingerprint_at = (when, value)
+        return value
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -161,20 +168,19 @@ class DeterminismRecord(Callback):
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not needs_every_rank(pl_module):
             return  # a model without shards is fingerprinted by rank 0 alone, at the save
         if any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):  # type: ignore[attr-defined]
-            self._evaluation_fingerprint = self._fingerprint(trainer, pl_module)
+            self._fingerprint(trainer, pl_module)  # kept for the pass's saves (the weights do not change in it)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._evaluation_fingerprint = None
+        self._fingerprint_at = None  # this batch's step may change the weights
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        cached = self._evaluation_fingerprint
-        value = cached if cached is not None and not trainer.training else self._fingerprint(trainer, pl_module)
+        value = self._fingerprint(trainer, pl_module)
         if value is None:  # not rank 0: rank 0 writes the checkpoint (a distributed one's metadata too)
             return
         step = int(trainer.global_step)
@@ -189,6 +195,7 @@ class DeterminismRecord(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.loggers:
             return
+        self._fingerprint_at = None  # taken anew: a callback may change the weights at the end (SWA's average)
         value = self._fingerprint(trainer, pl_module)
         if value is not None:
             log_fingerprint(trainer.loggers, FINAL_FINGERPRINT, value, int(trainer.global_step))

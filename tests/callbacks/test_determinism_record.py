@@ -102,3 +102,29 @@ def test_the_record_holds_the_invariant_modes_b_m_and_k():
             record["determinism/invariant/micro_batches_per_rank"]) == (8, 2, 4)  # fmt: skip
     assert record["determinism/debug_mode"] == "warn" and record["determinism/run/optimizer"] == "SGD"
     assert "determinism/run/world_size" not in record and record["determinism/world_size"] == 1
+
+
+def test_two_saves_of_one_step_digest_the_model_once_and_the_end_of_fit_anew(monkeypatch):
+    # ModelCheckpoint writes a top-k file and last.ckpt at one step: one digest of the whole model serves both; the
+    # end of fit digests again (a callback such as SWA may have changed the weights at the end of training).
+    from lightning_determinism.callbacks import determinism_record
+
+    calls = []
+
+    def counted(model, rank, state_dict=None):
+        calls.append(1)
+        return f"digest-{len(calls)}"
+
+    monkeypatch.setattr(determinism_record, "model_fingerprint", counted)
+    trainer = SimpleNamespace(training=True, global_rank=0, global_step=4, strategy=None, loggers=[object()])
+    record, model = DeterminismRecord(), torch.nn.Linear(2, 2)
+    monkeypatch.setattr(determinism_record, "log_fingerprint", lambda *args: None)
+    first, second = {}, {}
+    record.on_save_checkpoint(trainer, model, first)
+    record.on_save_checkpoint(trainer, model, second)
+    assert len(calls) == 1 and first[CHECKPOINT_KEY] == second[CHECKPOINT_KEY]
+    record.on_train_batch_start(trainer, model, None, 0)  # the next step may change the weights
+    trainer.global_step = 5
+    record.on_save_checkpoint(trainer, model, {})
+    record.on_fit_end(trainer, model)
+    assert len(calls) == 3
