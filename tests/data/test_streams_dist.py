@@ -3,12 +3,11 @@ protocol), Hugging Face streaming datasets and litdata, under the Trainer (2 glo
 process) and under a Fabric loop; resumes in a row; litdata on another world size.
 
 Every phase runs in one child process per group (stream_run.py, fabric_stream.py): the uninterrupted run writes a
-checkpoint after every step and each resumed run must consume exactly the sample ids the uninterrupted run consumed
+checkpoint after each step a run resumes from (Fabric's: after every step) and each resumed run must consume exactly the sample ids the uninterrupted run consumed
 after that step, log the same losses bit for bit and end with the same parameters and optimizer state."""
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,9 +15,9 @@ import pytest
 import torch
 
 from lightning_determinism.callbacks.rng_checkpoint import CHECKPOINT_KEY
-from tests.helpers import CHILD_TIMEOUT_S, child_env
+from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
 
-# The multi-process acceptance runs (~30 s) run where the streaming extra is installed: CI's streaming step
+# The multi-process acceptance runs (~35 s) run where the streaming extra is installed: CI's streaming step
 # (.ci/run), `pip install -e ".[streaming]"` and `pip install --no-deps litdata` locally. The in-process stream tests
 # (tests/data/test_streams.py) run everywhere.
 pytestmark = [
@@ -99,17 +98,11 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def start(script: str, *args: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPTS / script), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(**env),
-    )
+def start(script: str, *args: str, env: dict[str, str]) -> warm.Process:
+    return warm.start([sys.executable, str(SCRIPTS / script), *args], env=child_env(**env))
 
 
-def finish(process: subprocess.Popen) -> str:
+def finish(process: warm.Process) -> str:
     out, err = process.communicate(timeout=CHILD_TIMEOUT_S)
     assert process.returncode == 0, out[-3000:] + err[-5000:]
     return out + err

@@ -1,4 +1,4 @@
-"""A LitGPT-style Fabric loop over a stream, saved mid-epoch with FabricRNGState and resumed (popen launcher).
+"""A LitGPT-style Fabric loop over a stream, saved mid-epoch with FabricRNGState and resumed (forked ranks).
 
 python fabric_stream.py OUT K SOURCES   # per source (plain,litdata): the whole run, fabric.save after every step
                                         # (OUT/SOURCE/straight/step=J.ckpt), then, in the same processes, a new model
@@ -33,9 +33,14 @@ DEVICES = int(os.environ.get("DEVICES", "2"))
 
 
 def main(root: Path, k: int, sources: list[str]) -> None:
+    # Forked ranks: popen ranks would each import torch and Lightning (~5 s of CPU); the popen launcher's own tests
+    # are tests/strategies/test_launchers.py and examples/fabric_tiny_lm.py's.
+    strategy = DeterministicFabricDDPStrategy(seed=11, start_method="fork")
+    L.Fabric(accelerator="cpu", devices=DEVICES, strategy=strategy).launch(ranks, root, k, sources)
+
+
+def ranks(fabric: L.Fabric, root: Path, k: int, sources: list[str]) -> None:
     global SOURCE
-    fabric = L.Fabric(accelerator="cpu", devices=DEVICES, strategy=DeterministicFabricDDPStrategy(seed=11))
-    fabric.launch()
     for SOURCE in sources:
         run(fabric, root / SOURCE / "straight", None)
         run(fabric, root / SOURCE / "chain" / "r1", root / SOURCE / "straight" / f"step={k}.ckpt")

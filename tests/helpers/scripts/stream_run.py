@@ -5,6 +5,7 @@ python stream_run.py configs OUT JSON      # for each config of the JSON list: s
                                            # elastic_again: [run, devices, step, workers?] resume that run again;
                                            # elastic_drop_last_true: as elastic, litdata's drop_last=True given)
 python stream_run.py straight OUT          # the whole run, a checkpoint after every step: OUT/step=K.ckpt
+                                           # (configs: only after the steps a run is resumed from)
 python stream_run.py elastic OUT K         # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
 python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1 (checkpointing every step), then
                                            # OUT/r1/step=K2.ckpt into OUT/r2, ...: resumes in a row
@@ -185,13 +186,28 @@ class Net(L.LightningModule):
             (Path(self.out) / "result.json").write_text(json.dumps(state))
 
 
-def fit(out: Path, ckpt: Path | None = None) -> None:
+class AtSteps(ModelCheckpoint):
+    """A ModelCheckpoint of every step (``every_n_train_steps=1``) that writes only the steps in ``steps``.
+
+    ``None``: every step. The tests resume from a few steps of each run; each save costs collectives and a file.
+    """
+
+    def __init__(self, steps: set[int] | None, **kwargs) -> None:
+        super().__init__(every_n_train_steps=1, save_top_k=-1, filename="{step}", **kwargs)
+        self.steps = steps
+
+    def _should_skip_saving_checkpoint(self, trainer: L.Trainer) -> bool:
+        wanted = self.steps is None or trainer.global_step in self.steps
+        return not wanted or super()._should_skip_saving_checkpoint(trainer)
+
+
+def fit(out: Path, ckpt: Path | None = None, saves: set[int] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if DEVICES > 1:
         strategy = DeterministicDDPStrategy(seed=17, start_method="fork")
     else:
         strategy = DeterministicSingleDeviceStrategy(seed=17, device="cpu")
-    every_step = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    every_step = AtSteps(saves, dirpath=out)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -217,10 +233,11 @@ def write_litdata(directory: Path) -> None:
     from litdata import optimize
 
     method = multiprocessing.get_start_method(allow_none=True)
-    optimize(
-        fn=_sample, inputs=list(range(N)), output_dir=str(directory), chunk_size=N // 8, num_workers=1, mode="overwrite"
-    )
-    multiprocessing.set_start_method(method, force=True)  # optimize leaves "spawn" set for the whole process
+    optimize(  # its worker forked: a spawned one would import torch and Lightning again (~5 s of CPU)
+        fn=_sample, inputs=list(range(N)), output_dir=str(directory), chunk_size=N // 8, num_workers=1,
+        mode="overwrite", start_method="fork",
+    )  # fmt: skip
+    multiprocessing.set_start_method(method, force=True)  # optimize leaves its start method set for the whole process
 
 
 def configure(config: dict) -> None:
@@ -234,26 +251,39 @@ def configure(config: dict) -> None:
         write_litdata(Path(os.environ["LITDATA_DIR"]))
 
 
+def saves(config: dict) -> dict[str, set[int]]:
+    """The steps each run of ``config`` is resumed from (the runs named as run_configs writes them)."""
+    chain = config.get("chain", [])
+    out = {"straight": {*chain[:1], 3}}  # step 3: the checkpoint tests read the straight run's streams there
+    out["straight"] |= {k for _, k, *_ in config.get("elastic", []) + config.get("elastic_drop_last_true", [])}
+    for n, k in enumerate(chain[1:], start=1):
+        out[f"chain/r{n}"] = {k}
+    for name, _, k, *_ in config.get("elastic_again", []):
+        out.setdefault(name, set()).add(k)
+    return out
+
+
 def run_configs(out: Path, configs: list[dict]) -> None:
     """Each config: the straight run, then its chain of resumes, then its elastic resumes (one process for all)."""
     for config in configs:
         configure(config)
-        root = out / config["name"]
-        fit(root / "straight")
+        root, at = out / config["name"], saves(config)
+        fit(root / "straight", saves=at["straight"])
         source = root / "straight"
         for n, k in enumerate(config.get("chain", []), start=1):
-            fit(root / "chain" / f"r{n}", source / f"step={k}.ckpt")
+            fit(root / "chain" / f"r{n}", source / f"step={k}.ckpt", saves=at.get(f"chain/r{n}", set()))
             source = root / "chain" / f"r{n}"
         for devices, k, *workers in config.get("elastic", []):  # another world size (and num_workers)
             configure({**config, "devices": devices, "workers": workers[0] if workers else config.get("workers", 2)})
-            fit(root / elastic_name(devices, workers), root / "straight" / f"step={k}.ckpt")
+            name = elastic_name(devices, workers)
+            fit(root / name, root / "straight" / f"step={k}.ckpt", saves=at.get(name, set()))
         for devices, k, *workers in config.get("elastic_drop_last_true", []):  # litdata: drop_last=True given
             workers = workers or [config.get("workers", 2)]
             configure({**config, "devices": devices, "workers": workers[0], "drop_last": "true"})
-            fit(root / f"{elastic_name(devices, [])}-drop-last-true", root / "straight" / f"step={k}.ckpt")
+            fit(root / f"{elastic_name(devices, [])}-drop-last-true", root / "straight" / f"step={k}.ckpt", saves=set())
         for name, devices, k, *workers in config.get("elastic_again", []):  # a run resumed elastically, again
             configure({**config, "devices": devices, "workers": workers[0] if workers else config.get("workers", 2)})
-            fit(root / f"{name}-{devices}at{k}", root / name / f"step={k}.ckpt")
+            fit(root / f"{name}-{devices}at{k}", root / name / f"step={k}.ckpt", saves=set())
 
 
 def elastic_name(devices: int, workers: list[int]) -> str:
