@@ -3,8 +3,9 @@ protocol), Hugging Face streaming datasets and litdata, under the Trainer (2 glo
 process) and under a Fabric loop; resumes in a row; litdata on another world size.
 
 Every phase runs in one child process per group (stream_run.py, fabric_stream.py): the uninterrupted run writes a
-checkpoint after each step a run resumes from (Fabric's: after every step) and each resumed run must consume exactly the sample ids the uninterrupted run consumed
-after that step, log the same losses bit for bit and end with the same parameters and optimizer state."""
+checkpoint after each step a run resumes from (Fabric's: after every step) and each resumed run must consume exactly
+the sample ids the uninterrupted run consumed after that step, log the same losses bit for bit and end with the same
+parameters and optimizer state."""
 
 import importlib.util
 import json
