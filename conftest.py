@@ -1,5 +1,6 @@
 """Fixtures shared by the tests and the package's doctests: every test leaves the process as it found it."""
 
+import gc
 import os
 import random
 
@@ -76,7 +77,13 @@ def _restore_global_state():
 
 
 def pytest_collection_finish(session):
-    """Start the warm interpreter (tests/helpers/warm.py) while the first tests run, if a multi-process test uses it."""
+    """Start the warm interpreter (tests/helpers/warm.py) while the first tests run, if a multi-process test uses it.
+
+    What the imports and the collection made is frozen out of the garbage collector: the suite forks ranks and
+    workers from this process hundreds of times, and a collection in a child would walk (and so copy) all of it.
+    """
+    gc.collect()
+    gc.freeze()
     if any(item.get_closest_marker("distributed") is not None for item in session.items):
         from tests.helpers import warm
 

@@ -20,6 +20,7 @@ The server is this file run as a script; it answers one JSON line per request on
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -225,6 +226,8 @@ def _serve() -> str | None:
     sys.path.pop(0)  # this file's directory: a cold `python script.py` has the script's own there instead
     for name in _PRELOAD:
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # a child's garbage collections then skip (and do not copy) the imported modules' objects
     base_path = list(sys.path)
     replies = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but replies on the reply channel
