@@ -5,7 +5,6 @@ import ast
 import importlib
 import inspect
 import pkgutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +24,7 @@ from lightning_determinism._compat import checks as _compat
 from lightning_determinism._compat import data as _compat_data
 from lightning_determinism._compat.checks import PIECES, check_compat
 from lightning_determinism.errors import IncompatibleVersionError
-from tests.helpers import CHILD_TIMEOUT_S, child_env
+from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
 
 PACKAGE = Path(lightning_determinism.__file__).parent
 FOREIGN = ("lightning", "pytorch_lightning", "torch", "torchmetrics")
@@ -110,18 +109,32 @@ def test_lightning_older_than_the_floor_is_refused(monkeypatch):
     assert "docs/compatibility.md" in message
 
 
-def test_importing_the_package_fails_with_the_message_when_a_name_is_gone():
-    code = (
-        "import lightning.pytorch.utilities.data as data; del data._update_dataloader\nimport lightning_determinism\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=child_env()
-    )
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()
+# Run in a warm child (tests/helpers/warm.py), which imported the package already: forget it, then import it again.
+_IMPORT_WITHOUT_A_NAME = """import sys
+for name in [name for name in sys.modules if name.split(".")[0] == "lightning_determinism"]:
+    del sys.modules[name]
+import lightning.pytorch.utilities.data as data
+if sys.argv[1] == "gone":
+    del data._update_dataloader
+import lightning_determinism
+print("imported")
+"""
+
+
+@pytest.mark.parametrize("name", ["gone", "present"])
+def test_importing_the_package_fails_with_the_message_when_a_name_is_gone(tmp_path, name):
+    script = tmp_path / "import_it.py"
+    script.write_text(_IMPORT_WITHOUT_A_NAME)
+    child = warm.start([sys.executable, str(script), name], env=child_env())
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    if name == "present":  # the same import again, nothing missing: it succeeds (the child can tell the two apart)
+        assert child.returncode == 0 and out.strip() == "imported", err[-3000:]
+        return
+    assert child.returncode != 0 and "imported" not in out
+    last = err.strip().splitlines()
     assert any(line.startswith("lightning_determinism.errors.IncompatibleVersionError") for line in last)
-    assert f"installed lightning {lightning.__version__}" in result.stderr
-    assert "_update_dataloader(dataloader, sampler)" in result.stderr
+    assert f"installed lightning {lightning.__version__}" in err
+    assert "_update_dataloader(dataloader, sampler)" in err
 
 
 def test_an_attribute_missing_at_run_time_is_a_clear_error():
