@@ -85,3 +85,50 @@ def test_what_a_cold_start_reads_gets_a_cold_start(script):
     assert isinstance(child, subprocess.Popen)  # subprocess's own: stopped at once, its start is not ours to test
     child.kill()
     child.communicate(timeout=CHILD_TIMEOUT_S)
+
+
+NESTED = """
+import json, os, subprocess, sys
+if sys.argv[1:] == ["inner"]:  # a child of the script below
+    print(json.dumps({"warm": "lightning" in sys.modules, "ppid": os.getppid(), "line": sys.stdin.readline()}))
+    sys.exit(int(os.environ.get("CODE", "0")))
+me, inner = os.getpid(), [sys.executable, "-u", __file__, "inner"]
+run = subprocess.run(inner, capture_output=True, text=True, input="", env={**os.environ, "CODE": "5"})
+cold = subprocess.run(inner, capture_output=True, text=True, input="", env={**os.environ, "LDET_LAUNCHER_PID": str(me)})
+held = subprocess.Popen(inner, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+waiting = held.poll()  # the hand-shake: the child cannot end before it has read a line
+try:
+    held.wait(timeout=0.05)
+    timed_out = False
+except subprocess.TimeoutExpired:
+    timed_out = True
+out, _ = held.communicate("a line\\n")
+killed = subprocess.Popen(inner, stdin=subprocess.PIPE)
+killed.kill()
+print(json.dumps({"me": me, "run": [run.returncode, json.loads(run.stdout)], "cold": json.loads(cold.stdout),
+                  "held": [waiting, timed_out, held.returncode, json.loads(out)], "killed": killed.wait()}))
+"""
+
+
+def test_a_nested_childs_python_children_are_forked_warm_unless_they_must_be_its_own(tmp_path):
+    script = tmp_path / "nested.py"
+    script.write_text(NESTED)
+    child = warm.start([sys.executable, str(script)], env=child_env(), nested=True)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, err
+    facts = json.loads(out)
+    code, inner = facts["run"]
+    assert code == 5 and inner["warm"] and inner["ppid"] != facts["me"] and inner["line"] == ""
+    assert not facts["cold"]["warm"] and facts["cold"]["ppid"] == facts["me"]  # the launcher's rank checks its parent
+    waiting, timed_out, returncode, held = facts["held"]
+    assert waiting is None and timed_out and returncode == 0 and held["warm"] and held["line"] == "a line\n"
+    assert facts["killed"] == -signal.SIGKILL
+
+
+def test_a_module_runs_as_python_dash_m_does(tmp_path):
+    (tmp_path / "probe_module.py").write_text("import json, sys\nprint(json.dumps([sys.argv, sys.path[0]]))\n")
+    child = warm.start([sys.executable, "-m", "probe_module", "x"], env=child_env(), cwd=tmp_path)
+    assert isinstance(child, warm.Child)
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, err
+    assert json.loads(out) == [[str(tmp_path / "probe_module.py"), "x"], str(tmp_path)]
