@@ -18,7 +18,7 @@ import _lightning_determinism_cli as entry
 from lightning_determinism.divergence import cli
 from lightning_determinism.divergence.baseline_file import DEFAULT_ATOL, DEFAULT_RTOL
 from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY
-from tests.helpers import CHILD_TIMEOUT_S, child_env
+from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,9 +78,11 @@ def test_python_dash_m_runs_the_command_with_its_exit_codes(tmp_path, capsys):
     a, b = _baselines(tmp_path)
     not_a_checkpoint = tmp_path / "x.py"
     not_a_checkpoint.write_text("print('hello')\n")
-    run = subprocess.run([sys.executable, "-m", "lightning_determinism", "report", str(not_a_checkpoint)],
-                         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=CHILD_TIMEOUT_S)  # fmt: skip
-    err = run.stderr
+    # Forked from the warm interpreter (tests/helpers/warm.py), which imported this checkout's package as pytest did:
+    # `python -m` as runpy runs it, the package's __main__ after its __init__.
+    run = warm.start([sys.executable, "-m", "lightning_determinism", "report", str(not_a_checkpoint)],
+                     env=child_env(), cwd=tmp_path)  # fmt: skip
+    err = run.communicate(timeout=CHILD_TIMEOUT_S)[1]
     assert run.returncode == 2
     assert entry.main(["compare", str(a), str(b)]) == 1
     assert "first divergence: step 3, loss: 0.1234 vs 12.0" in capsys.readouterr().out

@@ -16,8 +16,9 @@ FABRIC_EXAMPLE = EXAMPLE.parent / "fabric_tiny_lm.py"
 RECIPE_EXAMPLE = EXAMPLE.parent / "llm_recipe.py"
 
 
-def _start(*args: str, example: Path = EXAMPLE) -> warm.Process:
-    return warm.start([sys.executable, str(example), *args], cwd=EXAMPLE.parent, env=child_env())
+def _start(*args: str, example: Path = EXAMPLE, nested: bool = False) -> warm.Process:
+    # nested: the example's own `python example.py` processes (a resume demo's two runs) are forked warm too
+    return warm.start([sys.executable, str(example), *args], cwd=EXAMPLE.parent, env=child_env(), nested=nested)
 
 
 def _finish(process: warm.Process, with_stderr: bool = False) -> str:
@@ -26,8 +27,8 @@ def _finish(process: warm.Process, with_stderr: bool = False) -> str:
     return out + (err if with_stderr else "")
 
 
-def _run(*args: str, with_stderr: bool = False, example: Path = EXAMPLE) -> str:
-    return _finish(_start(*args, example=example), with_stderr)
+def _run(*args: str, with_stderr: bool = False, example: Path = EXAMPLE, nested: bool = False) -> str:
+    return _finish(_start(*args, example=example, nested=nested), with_stderr)
 
 
 SMALL = ("--sentences", "250")  # a smaller corpus than the README's run: the same code, a sixth of the time
@@ -121,8 +122,8 @@ def resume_demos():
     # Both demos at once: each spends much of its time starting processes, which the other one's work fills.
     # The Trainer's ranks forked (its popen runs: test_tiny_lm_gives_one_fingerprint_with_and_without_workers); the
     # Fabric example's launch() starts popen ranks.
-    trainer = _start("--resume", "--epochs", "2", *SMALL, *FORK)
-    fabric = _start("--resume", "--epochs", "2", *SMALL, example=FABRIC_EXAMPLE)
+    trainer = _start("--resume", "--epochs", "2", *SMALL, *FORK, nested=True)
+    fabric = _start("--resume", "--epochs", "2", *SMALL, example=FABRIC_EXAMPLE, nested=True)
     recipe = _start("--resume", "--epochs", "1", example=RECIPE_EXAMPLE)
     return {"trainer": _finish(trainer), "fabric": _finish(fabric), "recipe": _finish(recipe)}
 
@@ -183,7 +184,8 @@ def test_compare_single_vs_ddp_example_passes(capsys, monkeypatch):
 @pytest.mark.skipif(not HAVE_LITDATA, reason="needs litdata (pip install -e '.[streaming]', docs/streaming.md)")
 def test_streaming_example_resumes_a_litdata_epoch_bitwise():
     # One process with 2 litdata workers (2 ranks with workers: tests/data/test_streams_dist.py).
-    out = _run("--resume", "--sentences", "400", "--devices", "1", example=EXAMPLE.parent / "streaming_lm.py")
+    example = EXAMPLE.parent / "streaming_lm.py"
+    out = _run("--resume", "--sentences", "400", "--devices", "1", example=example, nested=True)
     fingerprints = re.findall(r"\b[0-9a-f]{64}\b", out)
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1], out
     assert "checkpoint at step 9 of 16, resumed" in out and "bitwise identical" in out

@@ -9,6 +9,7 @@ import torch
 
 from lightning_determinism import derive_seed, set_seed
 from lightning_determinism.seeding.seeds import check_seed, current_seeds, resolve_base_seed
+from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
 from tests.helpers.lightning_models import draws, reference_draws
 
 HI = 2**32 - 1
@@ -125,16 +126,21 @@ def test_derive_seed_has_no_collisions_over_a_grid():
     assert len(seeds) == 3 * 8 * 8 * 8
 
 
-def test_derive_seed_does_not_depend_on_the_python_hash_seed():
-    code = "import sys; from lightning_determinism import derive_seed; print(sys.hash_info.hash_bits,"
-    code += " hash('stream'), derive_seed(5, 'stream', 2**70))"
-    # One child with a fixed salt against this process's own (random unless PYTHONHASHSEED is set): the child's import
-    # of the package costs seconds, this process has it already.
-    salt = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
-    child = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": salt},
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert child.returncode == 0, child.stderr[-3000:]
-    _, their_hash, their_seed = child.stdout.split()
+def test_derive_seed_does_not_depend_on_the_python_hash_seed(tmp_path):
+    script = tmp_path / "salted.py"
+    script.write_text("import sys\nfrom lightning_determinism import derive_seed\n"
+                      "print(sys.hash_info.hash_bits, hash('stream'), derive_seed(5, 'stream', 2**70))\n")  # fmt: skip
+    # Another interpreter with another salt: the warm one (tests/helpers/warm.py) where its salt differs from this
+    # process's (random unless PYTHONHASHSEED is set), else a cold one with a fixed salt other than ours.
+    child = warm.start([sys.executable, str(script)], env=child_env())
+    out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    if int(out.split()[1]) == hash("stream"):
+        salt = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+        child = subprocess.Popen([sys.executable, str(script)], env=child_env(PYTHONHASHSEED=salt),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, err[-3000:]
+    _, their_hash, their_seed = out.split()
     assert int(their_hash) != hash("stream")  # the two salts differ: a salted hash() would show
     assert int(their_seed) == derive_seed(5, "stream", 2**70)
 

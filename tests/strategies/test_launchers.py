@@ -2,14 +2,13 @@
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import child_env, warm
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")]
 
@@ -35,13 +34,9 @@ def _wait_for(paths, timeout):
 
 @pytest.mark.parametrize(("mode", "ranks"), [("fork", 1), ("popen", 2)])
 def test_ranks_die_with_the_main_process(tmp_path, mode, ranks):
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), mode, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env(OMP_NUM_THREADS="2") if mode == "fork" else child_env(),
-    )
+    # The main process forked from the warm interpreter (tests/helpers/warm.py); the popen rank it starts is cold.
+    env = child_env(OMP_NUM_THREADS="2") if mode == "fork" else child_env()
+    proc = warm.start([sys.executable, str(SCRIPT), mode, str(tmp_path)], env=env, merge_stderr=True)
     try:
         pid_files = [tmp_path / f"rank{r}.pid" for r in range(ranks)]
         # For fork: the rank got through a multi-threaded forward after the parent had used OpenMP (no hang).
@@ -60,7 +55,7 @@ def test_ranks_die_with_the_main_process(tmp_path, mode, ranks):
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in children), "a rank outlived the main process"
         if mode == "fork":
-            assert "each forked rank runs with one intra-op thread" in proc.stdout.read()
+            assert "each forked rank runs with one intra-op thread" in proc.communicate(timeout=30)[0]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,14 +1,14 @@
 """Two torchrun 'nodes' on localhost.
 
-Two processes per node, one launch (scripts/model_parallel_torchrun.py; each process spends most of its time
-importing): first DDP, where global ranks 0 .. 3 get base + 0 .. base + 3; then the 2 x 2 model-parallel layout,
-tensor parallel inside a node, data parallel across the nodes, bitwise the same config's straight run forked in one
-process (conftest.py's model_parallel_runs, which test_model_parallel_strategy.py checks).
+Two processes per node, one launch (scripts/model_parallel_torchrun.py). The agents (``python -m
+torch.distributed.run``, what the ``torchrun`` command runs) and the workers they start are forked from the warm
+interpreter (tests/helpers/warm.py, ``nested=True``), each worker in a session of its own as torchrun starts them.
+First DDP, where global ranks 0 .. 3 get base + 0 .. base + 3; then the 2 x 2 model-parallel layout, tensor parallel
+inside a node, data parallel across the nodes, bitwise the same config's straight run forked in one process
+(conftest.py's model_parallel_runs, which test_model_parallel_strategy.py checks).
 """
 
 import json
-import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CHILD_TIMEOUT_S, child_env, free_port
+from tests.helpers import CHILD_TIMEOUT_S, child_env, free_port, warm
 from tests.helpers.lightning_models import read_records, reference_draws
 from tests.strategies import test_model_parallel_strategy as model_parallel
 
@@ -26,14 +26,15 @@ SCRIPTS = Path(__file__).parents[1] / "helpers" / "scripts"
 TERM_GRACE_S = 60  # a torchrun agent gives its workers 30 s to end
 
 
-def _nodes(script: Path, args: list[str], nproc_per_node: int, env: dict[str, str]) -> list[subprocess.Popen]:
+def _nodes(script: Path, args: list[str], nproc_per_node: int, env: dict[str, str]) -> list[warm.Process]:
     """Two torchrun agents, node ranks 0 and 1, rendezvous on 127.0.0.1."""
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     port = free_port()
     return [
-        subprocess.Popen(
+        warm.start(
             [
-                torchrun,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
                 "--nnodes=2",
                 f"--nproc-per-node={nproc_per_node}",
                 f"--node-rank={node}",
@@ -43,15 +44,14 @@ def _nodes(script: Path, args: list[str], nproc_per_node: int, env: dict[str, st
                 *args,
             ],
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            merge_stderr=True,
+            nested=True,
         )  # fmt: skip
         for node in (0, 1)
     ]
 
 
-def _finish(procs: list[subprocess.Popen]) -> list[str]:
+def _finish(procs: list[warm.Process]) -> list[str]:
     """Every process's output once all have exited; the first to fail ends the others, which would wait on it.
 
     Ended with SIGTERM, on which a torchrun agent ends its workers (they run in sessions of their own, out of reach of a
