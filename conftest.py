@@ -88,3 +88,21 @@ def pytest_collection_finish(session):
         from tests.helpers import warm
 
         warm.prestart()
+
+
+@pytest.fixture(scope="session")
+def spawn_fit(tmp_path_factory):
+    """The suite's one fit on spawned ranks (4 new interpreters, ~5 s of CPU each).
+
+    2 ranks, each reading a second loader through 1 spawned worker. Its records: tests/strategies/test_strategy_fit.py;
+    its worker streams: tests/callbacks/test_worker_seed_dist.py.
+    """
+    from lightning_determinism import DeterministicDDPStrategy, WorkerSeedCallback
+    from tests.helpers.lightning_models import fit
+
+    out = tmp_path_factory.mktemp("spawn")
+    torch.manual_seed(3)  # the parent's state, which the ranks must not inherit
+    # The module holds DistributedPerplexity and DistributedMean: the spawn launcher pickles it for each rank.
+    fit(DeterministicDDPStrategy(seed=5, start_method="spawn"), out, n=16, metrics=True, stream_workers=1,
+        callbacks=[WorkerSeedCallback()])  # fmt: skip
+    return out

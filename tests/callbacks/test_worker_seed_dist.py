@@ -1,5 +1,6 @@
 """WorkerSeedCallback on 2 gloo ranks x 2 workers x 2 epochs (fork start; one spawn-path test)."""
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -133,11 +134,12 @@ def _per_sample_reference(base, n):
     return out
 
 
-def test_spawn_path(tmp_path):
+def test_spawn_path(spawn_fit):
     # Spawned ranks spawn their workers too (multiprocessing's default in a spawned process): the worker_init_fn
-    # travels pickled. One worker per rank: each spawned worker imports torch (~4 s of CPU).
-    samples, _ = fit_streams(_ddp(start_method="spawn"), tmp_path, [WorkerSeedCallback()], epochs=1, n=8,
-                             num_workers=1)  # fmt: skip
+    # travels pickled. One worker per rank: each spawned worker imports torch (~4 s of CPU). The fit (seed 5, one
+    # epoch, 8 samples of StreamDataset beside the main loader): conftest.py's spawn_fit.
+    samples = [sample for rank in (0, 1) for sample in json.loads((spawn_fit / f"samples-rank{rank}.json").read_text())]
+    assert len(samples) == 8
     streams = _streams(samples)
     assert sorted(streams) == [(0, 0, 0), (1, 0, 0)]
     _assert_pairwise_distinct(streams)

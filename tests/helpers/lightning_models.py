@@ -66,10 +66,19 @@ class RecordingModule(L.LightningModule):
     """Builds its network in ``configure_model`` and records, per rank, what the strategy tests check."""
 
     def __init__(
-        self, out_dir: str, n: int = 32, batch_size: int = 4, record_draws: bool = True, metrics: bool = False
+        self,
+        out_dir: str,
+        n: int = 32,
+        batch_size: int = 4,
+        record_draws: bool = True,
+        metrics: bool = False,
+        stream_workers: int = 0,
     ) -> None:
         super().__init__()
         self.record_draws = record_draws
+        # with stream_workers, a second loader reads StreamDataset through that many workers, its samples recorded as
+        # StreamModule records them: one fit then serves both kinds of test (the spawn path's, 4 new interpreters)
+        self.stream_workers, self.samples = stream_workers, []
         if metrics:  # the package's metrics on the module: pickled by spawn launchers, forward() on grad logits
             from lightning_determinism import DistributedMean, DistributedPerplexity
 
@@ -104,9 +113,13 @@ class RecordingModule(L.LightningModule):
         self.record["local_seed"] = self.trainer.strategy.local_seed
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.stream_workers:
+            self.samples += [{**s, "epoch": self.current_epoch, "rank": self.global_rank} for s in batch["streams"]]
+            batch = batch["fit"]
         idx, x, y = batch
         self.record["indices"].append(idx.tolist())
-        self.record["train_sampler"] = type(self.trainer.train_dataloader.sampler).__name__
+        loader = self.trainer.train_dataloader
+        self.record["train_sampler"] = type((loader["fit"] if isinstance(loader, dict) else loader).sampler).__name__
         mask = nn.functional.dropout(torch.ones(8), 0.5, training=True)
         self.record["dropout"].append(mask.tolist())
         out = self.net(x)
@@ -131,9 +144,19 @@ class RecordingModule(L.LightningModule):
         self.record["final_digest"] = state_digest(self.net)
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"
         path.write_text(json.dumps(self.record))
+        if self.stream_workers:
+            (Path(self.out_dir) / f"samples-rank{self.global_rank}.json").write_text(json.dumps(self.samples))
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(IndexDataset(self.n), batch_size=self.batch_size, shuffle=True)
+    def train_dataloader(self) -> Any:
+        loader = DataLoader(IndexDataset(self.n), batch_size=self.batch_size, shuffle=True)
+        if not self.stream_workers:
+            return loader
+        streams = StreamDataset(self.n // 2)  # as many batches of 2 as the main loader has of 4
+        workers = self.stream_workers
+        return {
+            "fit": loader,
+            "streams": DataLoader(streams, 2, shuffle=True, num_workers=workers, collate_fn=_uncollated),
+        }
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -151,10 +174,11 @@ def quiet_trainer(strategy: Any, devices: int = 2, **kwargs: Any) -> L.Trainer:
     )
 
 
-def fit(strategy: Any, out_dir: Path, devices: int = 2, max_epochs: int = 1, **module_kwargs: Any) -> None:
+def fit(strategy: Any, out_dir: Path, devices: int = 2, max_epochs: int = 1, callbacks: Any = (), **module_kwargs: Any):
     """A quiet CPU fit of :class:`RecordingModule`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    trainer = quiet_trainer(strategy, devices, max_epochs=max_epochs, default_root_dir=str(out_dir))
+    trainer = quiet_trainer(strategy, devices, max_epochs=max_epochs, default_root_dir=str(out_dir),
+                            callbacks=list(callbacks))  # fmt: skip
     trainer.fit(RecordingModule(str(out_dir), **module_kwargs))
 
 

@@ -120,11 +120,8 @@ def test_debug_mode_none_leaves_flags_alone(tmp_path):
         assert record["flags"]["deterministic"] is False
 
 
-def test_spawn_path(tmp_path):
-    torch.manual_seed(3)
-    # The module holds DistributedPerplexity and DistributedMean: the spawn launcher pickles it for each rank.
-    fit(DeterministicDDPStrategy(seed=5, start_method="spawn"), tmp_path, n=16, metrics=True)
-    records = read_records(tmp_path, 2)
+def test_spawn_path(spawn_fit):
+    records = read_records(spawn_fit, 2)  # the fit: conftest.py's spawn_fit
     for rank, record in enumerate(records):
         assert (record["base_seed"], record["local_seed"]) == (5, 5 + rank)
         assert record["draws"] == reference_draws(5 + rank)
