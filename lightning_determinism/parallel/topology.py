@@ -128,8 +128,14 @@ class Topology:
             rank = rank * size + coords.get(axis, 0)
         return rank
 
+    def _stride(self, axis: str) -> int:
+        """How far apart in rank two neighbours on ``axis`` are (the product of the sizes after it in ``order``)."""
+        return math.prod(self.shape[self.order.index(axis) + 1 :])
+
     def _group(self, axis: str) -> GroupInfo:
-        members = tuple(self.rank_of(**{**self.coordinates, axis: i}) for i in range(self.degrees[axis]))
+        stride = self._stride(axis)
+        first = self.rank - self.coordinates[axis] * stride  # the member at coordinate 0 on `axis`
+        members = tuple(range(first, first + self.degrees[axis] * stride, stride))
         return GroupInfo(size=self.degrees[axis], rank=self.coordinates[axis], world=members)
 
     @property
@@ -161,9 +167,9 @@ class Topology:
     def data_info(self) -> GroupInfo:
         """Everyone that reads different data: rank ``dp_rank * sharding_size + sharding_rank``, for every order."""
         dp, sh = self.degrees["dp"], self.degrees["sharding"]
-        members = tuple(
-            self.rank_of(**{**self.coordinates, "dp": d, "sharding": s}) for d in range(dp) for s in range(sh)
-        )
+        dp_stride, sh_stride = self._stride("dp"), self._stride("sharding")
+        first = self.rank - self.coordinates["dp"] * dp_stride - self.coordinates["sharding"] * sh_stride
+        members = tuple(first + d * dp_stride + s * sh_stride for d in range(dp) for s in range(sh))
         rank = self.coordinates["dp"] * sh + self.coordinates["sharding"]
         return GroupInfo(size=dp * sh, rank=rank, world=members)
 

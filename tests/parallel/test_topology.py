@@ -25,33 +25,34 @@ def degree_tuples(max_world):
     return out
 
 
-def brute(degrees, order, rank):
-    """Coordinates and groups by enumerating the mesh (last axis of `order` fastest)."""
+def brute(degrees, order, ranks):
+    """The coordinates and groups of ``ranks``, by enumerating the mesh (last axis of `order` fastest): a group along
+    an axis is a row of the mesh with that axis moved last; the data group, with dp then sharding moved last."""
     shape = [degrees[a] for a in order]
-    world = math.prod(shape)
-    mesh = np.arange(world).reshape(shape)
-    coords = dict(zip(order, (int(c) for c in np.unravel_index(rank, shape)), strict=True))
-    groups = {}
-    for axis in AXES:
-        index = tuple(slice(None) if a == axis else coords[a] for a in order)
-        groups[axis] = tuple(mesh[index].reshape(-1).tolist())
-    index = tuple(slice(None) if a in ("dp", "sharding") else coords[a] for a in order)
-    sub = mesh[index]
-    if order.index("dp") > order.index("sharding"):
-        sub = sub.T  # rows: dp, columns: sharding
-    return coords, groups, tuple(sub.reshape(-1).tolist())
+    mesh = np.arange(math.prod(shape)).reshape(shape)
+    coords = {rank: dict(zip(order, map(int, np.unravel_index(rank, shape)), strict=True)) for rank in ranks}
+    groups = {rank: {} for rank in ranks}
+    for axis in (*AXES, "data"):
+        moved = [order.index(a) for a in (("dp", "sharding") if axis == "data" else (axis,))]
+        last = list(range(len(order) - len(moved), len(order)))
+        for row in np.moveaxis(mesh, moved, last).reshape(-1, math.prod(shape[i] for i in moved)).tolist():
+            for rank in set(row) & groups.keys():
+                groups[rank][axis] = tuple(row)
+    return coords, groups
 
 
-def check_against_brute(topo, degrees, order, rank):
-    coords, groups, data = brute(degrees, order, rank)
-    assert topo.coordinates == coords
-    for axis in AXES:
-        info = getattr(topo, f"{axis}_info")
-        assert info == GroupInfo(degrees[axis], coords[axis], groups[axis])
-    assert topo.data_info == GroupInfo(
-        degrees["dp"] * degrees["sharding"], coords["dp"] * degrees["sharding"] + coords["sharding"], data
-    )
-    assert topo.is_last == (coords["pp"] == degrees["pp"] - 1)
+def check_against_brute(degrees, order, ranks=None):
+    world = math.prod(degrees.values())
+    coords, groups = brute(degrees, order, range(world) if ranks is None else ranks)
+    for rank in coords:
+        topo = Topology(rank, world, *(degrees[a] for a in ("dp", "pp", "sharding", "mp", "sep")), order=order)
+        assert topo.coordinates == coords[rank]
+        for axis in AXES:
+            info = getattr(topo, f"{axis}_info")
+            assert info == GroupInfo(degrees[axis], coords[rank][axis], groups[rank][axis])
+        data_rank = coords[rank]["dp"] * degrees["sharding"] + coords[rank]["sharding"]
+        assert topo.data_info == GroupInfo(degrees["dp"] * degrees["sharding"], data_rank, groups[rank]["data"])
+        assert topo.is_last == (coords[rank]["pp"] == degrees["pp"] - 1)
 
 
 ORDERS = list(itertools.permutations(AXES))
@@ -60,11 +61,8 @@ ORDERS = list(itertools.permutations(AXES))
 def test_matches_brute_force_for_every_rank_up_to_8_and_all_orders():
     for dp, pp, sh, mp, sep in degree_tuples(8):
         degrees = {"dp": dp, "pp": pp, "sharding": sh, "mp": mp, "sep": sep}
-        world = math.prod(degrees.values())
         for order in ORDERS:
-            for rank in range(world):
-                topo = Topology(rank, world, dp, pp, sh, mp, sep, order=order)
-                check_against_brute(topo, degrees, order, rank)
+            check_against_brute(degrees, order)
 
 
 def test_matches_brute_force_up_to_64_over_rotating_orders_and_ranks():
@@ -76,10 +74,7 @@ def test_matches_brute_force_up_to_64_over_rotating_orders_and_ranks():
         if world <= 8:
             continue
         for j in range(4):
-            order = ORDERS[(4 * i + j) % len(ORDERS)]
-            for rank in {0, world - 1, (7 * i + j) % world}:
-                topo = Topology(rank, world, dp, pp, sh, mp, sep, order=order)
-                check_against_brute(topo, degrees, order, rank)
+            check_against_brute(degrees, ORDERS[(4 * i + j) % len(ORDERS)], {0, world - 1, (7 * i + j) % world})
 
 
 def test_data_rank_is_right_when_sharding_comes_first():
