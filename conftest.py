@@ -76,18 +76,27 @@ def _restore_global_state():
     _restore(state)
 
 
-def pytest_collection_finish(session):
-    """Start the warm interpreter (tests/helpers/warm.py) while the first tests run, if a multi-process test uses it.
+def pytest_sessionstart(session):
+    """Start the warm interpreter (tests/helpers/warm.py) before collection.
 
-    What the imports and the collection made is frozen out of the garbage collector: the suite forks ranks and
-    workers from this process hundreds of times, and a collection in a child would walk (and so copy) all of it.
+    Its imports take a core for ~5 s, which collection (one core) leaves idle. Not when the run leaves out the tests
+    that start processes.
     """
-    gc.collect()
-    gc.freeze()
-    if any(item.get_closest_marker("distributed") is not None for item in session.items):
+    option = session.config.option
+    if not option.collectonly and "not distributed" not in (option.markexpr or ""):
         from tests.helpers import warm
 
         warm.prestart()
+
+
+def pytest_collection_finish(session):
+    """Freeze what the imports and the collection made out of the garbage collector.
+
+    The suite forks ranks and workers from this process hundreds of times, and a collection in a child would walk (and
+    so copy) all of it.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -337,9 +337,9 @@ def test_the_command_keeps_its_exit_codes_in_a_shell_script(recorded, tmp_path):
     script = tmp_path / "check.sh"
     script.write_text(
         f"""
-"{command}" compare "{recorded}" "{recorded}" > /dev/null; echo "equal $?" > {tmp_path}/codes.1 &
-"{sys.executable}" -m lightning_determinism compare "{a}" "{b}" > /dev/null; echo "nan $?" > {tmp_path}/codes.2 &
-"{command}" compare "{recorded}" "{recorded}" --rtol -1 2> {tmp_path}/err.txt; echo "bad $?" > {tmp_path}/codes.3 &
+{{ "{command}" compare "{recorded}" "{recorded}" > /dev/null; echo "equal $?" > {tmp_path}/codes.1; }} &
+{{ "{sys.executable}" -m lightning_determinism compare "{a}" "{b}" > /dev/null; echo "nan $?" > {tmp_path}/codes.2; }} &
+"{command}" compare "{recorded}" "{recorded}" --rtol -1 2> {tmp_path}/err.txt; echo "bad $?" > {tmp_path}/codes.3
 wait
 """
     )
