@@ -17,6 +17,7 @@ Requests come from two sides:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import json
@@ -304,19 +305,17 @@ class _Server:
         except (OSError, ValueError):
             conn.close()
             return None
-        if startup_env(request["env"]) != startup_env(self.env):
-            for fd in stdio:
-                os.close(fd)
-            _send(conn, {"refused": "another environment at start"})
-            conn.close()
-            return None
-        pid = self._fork({**request, "nested": True}, stdio, keep=conn)
-        if pid == 0:
+        refused = startup_env(request["env"]) != startup_env(self.env)  # then Popen starts it cold
+        pid = 0 if refused else self._fork({**request, "nested": True}, stdio, keep=conn)
+        if pid == 0 and not refused:
             return request
         for fd in stdio:
             os.close(fd)
-        _send(conn, {"pid": pid})
-        self.watchers[pid] = conn
+        _send(conn, {"refused": "another environment at start"} if refused else {"pid": pid})
+        if refused:
+            conn.close()
+        else:
+            self.watchers[pid] = conn
         return None
 
     def serve(self) -> dict[str, Any] | None:
@@ -345,13 +344,10 @@ class _Server:
             timeout = None if pending is None or pending[1] is None else max(0.0, pending[1] - time.monotonic())
             watched = [self.wake_r, self.listener] + ([0] if pending is None else [])
             readable = select.select(watched, [], [], timeout)[0]
-            if self.wake_r in readable:
-                while True:
-                    try:
-                        if not os.read(self.wake_r, 512):
-                            break
-                    except BlockingIOError:
-                        break
+            if self.wake_r in readable:  # SIGCHLD woke it up: empty the pipe (reaped at the loop's top)
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self.wake_r, 512):
+                        pass
             if self.listener in readable:
                 nested = self._accept()
                 if nested is not None:

@@ -37,8 +37,10 @@ FORK = ("--start-method", "fork")  # the ranks forked, not started as new interp
 
 @pytest.mark.distributed
 def test_tiny_lm_gives_one_fingerprint_with_and_without_workers():
-    # Two processes, and two settings that must not matter: reproducible across runs, independent of the workers.
-    started = _start("--epochs", "1", "--workers", "2", *SMALL), _start("--epochs", "1", "--workers", "0", *SMALL)
+    # Two processes, and settings that must not matter: reproducible across runs, independent of the workers and of
+    # how the ranks start (the README's popen ranks: the second an interpreter of its own; forked ranks).
+    one_epoch = ("--epochs", "1", *SMALL)
+    started = _start(*one_epoch, "--workers", "2"), _start(*one_epoch, "--workers", "0", *FORK)
     with_workers, in_process = _finish(started[0], with_stderr=True), _finish(started[1])  # side by side
     for noise in ("LeafSpec", "litlogger", "weights_only", "replicates some samples", "Traceback"):
         assert noise not in with_workers, noise

@@ -93,8 +93,9 @@ if sys.argv[1:] == ["inner"]:  # a child of the script below
     print(json.dumps({"warm": "lightning" in sys.modules, "ppid": os.getppid(), "line": sys.stdin.readline()}))
     sys.exit(int(os.environ.get("CODE", "0")))
 me, inner = os.getpid(), [sys.executable, "-u", __file__, "inner"]
-run = subprocess.run(inner, capture_output=True, text=True, input="", env={**os.environ, "CODE": "5"})
-cold = subprocess.run(inner, capture_output=True, text=True, input="", env={**os.environ, "LDET_LAUNCHER_PID": str(me)})
+def ran(**env):
+    return subprocess.run(inner, capture_output=True, text=True, input="", env={**os.environ, **env})
+run, cold, other = ran(CODE="5"), ran(LDET_LAUNCHER_PID=str(me)), ran(TORCH_SHOW_CPP_STACKTRACES="1")
 held = subprocess.Popen(inner, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 waiting = held.poll()  # the hand-shake: the child cannot end before it has read a line
 try:
@@ -106,6 +107,7 @@ out, _ = held.communicate("a line\\n")
 killed = subprocess.Popen(inner, stdin=subprocess.PIPE)
 killed.kill()
 print(json.dumps({"me": me, "run": [run.returncode, json.loads(run.stdout)], "cold": json.loads(cold.stdout),
+                  "other": json.loads(other.stdout),
                   "held": [waiting, timed_out, held.returncode, json.loads(out)], "killed": killed.wait()}))
 """
 
@@ -120,6 +122,7 @@ def test_a_nested_childs_python_children_are_forked_warm_unless_they_must_be_its
     code, inner = facts["run"]
     assert code == 5 and inner["warm"] and inner["ppid"] != facts["me"] and inner["line"] == ""
     assert not facts["cold"]["warm"] and facts["cold"]["ppid"] == facts["me"]  # the launcher's rank checks its parent
+    assert not facts["other"]["warm"] and facts["other"]["ppid"] == facts["me"]  # torch reads it at start: refused
     waiting, timed_out, returncode, held = facts["held"]
     assert waiting is None and timed_out and returncode == 0 and held["warm"] and held["line"] == "a line\n"
     assert facts["killed"] == -signal.SIGKILL
