@@ -38,8 +38,10 @@ def _ddp(seed=5, start_method="fork"):
 # Lightning's own DDPStrategy, for comparison. A rank it forks cannot fork its data-loader workers safely on Python
 # <= 3.11 (CPython gh-112275: about one fit in 300 leaves a worker stuck at start forever; our strategies restart it,
 # see data/_worker_start.py; a CI run met it here), so its workers come from a fork server, a single-threaded process
-# (8 s more than forking, 6 s less than spawning): PyTorch seeds them the same way whatever the start method.
+# (8 s more than forking, 6 s less than spawning): PyTorch seeds them the same way whatever the start method. The
+# fork server imports the package only where a worker_init_fn of the package's is unpickled.
 PLAIN_WORKERS = {"worker_context": "forkserver"}
+WITH_CALLBACK = {"worker_context": "forkserver+package"}
 
 
 def test_eight_distinct_streams_reproducible_epoch_zero_included(tmp_path):
@@ -86,7 +88,7 @@ def test_persistent_workers_stay_distinct_and_reproducible(tmp_path):
 def test_lightning_ddp_strategy_and_seed_everything(tmp_path):
     seed_everything(9, verbose=False)
     samples, trainer = fit_streams(
-        DDPStrategy(start_method="fork"), tmp_path, [WorkerSeedCallback()], epochs=1, **PLAIN_WORKERS
+        DDPStrategy(start_method="fork"), tmp_path, [WorkerSeedCallback()], epochs=1, **WITH_CALLBACK
     )
     _assert_pairwise_distinct(_streams(samples))
     for sample in samples:

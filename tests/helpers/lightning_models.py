@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from tests.helpers.datasets import PlainBatches, StreamDataset, _uncollated, user_worker_init  # noqa: F401  (the tests')
+
 
 def state_digest(module: nn.Module) -> str:
     digest = hashlib.sha256()
@@ -239,54 +241,6 @@ class PerplexityModule(L.LightningModule):
         return DataLoader(TokenDataset(self.n), batch_size=2)
 
 
-class StreamDataset(Dataset):
-    """Each item says which worker produced it and draws once from each global stream (python, numpy, torch)."""
-
-    def __init__(self, n: int = 16, tag: int = 0) -> None:
-        self.n = n
-        self.tag = tag
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        info = torch.utils.data.get_worker_info()
-        return {
-            "index": i,
-            "tag": self.tag,
-            "worker": -1 if info is None else info.id,
-            "torch_seed": str(torch.initial_seed()),
-            "pytorch_worker_seed": "none" if info is None else str(info.seed),
-            "torch": torch.rand(3).tolist(),
-            "numpy": float(np.random.rand()),
-            "python": random.random(),
-        }
-
-
-class PlainBatches:
-    """An iterable of batches that is not a DataLoader."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __iter__(self) -> Any:
-        return iter([[self.dataset[j] for j in range(i, i + 2)] for i in range(0, len(self.dataset), 2)])
-
-    def __len__(self) -> int:
-        return len(self.dataset) // 2
-
-
-def user_worker_init(worker_id: int) -> None:
-    """A user's own worker_init_fn: it overrides the torch stream of each worker."""
-    torch.manual_seed(1000 + worker_id)
-
-
-def _uncollated(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return batch
-
-
 class StreamModule(L.LightningModule):
     """Records every sample's worker and draws, per rank, epoch and loader."""
 
@@ -354,13 +308,16 @@ class StreamModule(L.LightningModule):
 
 
 def _worker_context(name: str | None) -> Any:
-    """A multiprocessing context for data-loader workers; a fork server starts with this module already imported."""
-    if name != "forkserver":
+    """A multiprocessing context for data-loader workers. A fork server imports what its workers unpickle before it
+    forks them: the datasets (torch and NumPy only), and for ``forkserver+package`` this package (Lightning with it),
+    which a ``worker_init_fn`` of the package's needs."""
+    if name is None or not name.startswith("forkserver"):
         return name
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tests.helpers.lightning_models", "lightning_determinism"])
+    package = ["lightning_determinism"] if name == "forkserver+package" else []
+    context.set_forkserver_preload(["tests.helpers.datasets", *package])
     return context
 
 
