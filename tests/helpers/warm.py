@@ -53,6 +53,7 @@ class Child:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
+            left = timeout
             if timeout != 0.0 and hasattr(os, "pidfd_open"):  # wait for the end here: the server is not held meanwhile
                 try:
                     fd = os.pidfd_open(self.pid)
@@ -60,10 +61,11 @@ class Child:
                     pass  # ended, and the server has seen it
                 else:
                     try:
-                        select.select([fd], [], [], timeout)
+                        if not select.select([fd], [], [], timeout)[0]:
+                            left = 0.0  # still running: the server only says so
                     finally:
                         os.close(fd)
-            self.returncode = self._server.wait(self.pid, timeout)
+            self.returncode = self._server.wait(self.pid, left)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(f"warm child {self.pid}", timeout or 0.0)
         return self.returncode
