@@ -3,9 +3,9 @@
 It lives outside the ``lightning_determinism`` package on purpose. Importing any module of the package first runs
 ``lightning_determinism/__init__.py``, which imports torch and Lightning (seconds) because importing the package
 registers the deterministic strategies. ``--help``, a bad argument and an input file that is missing or unreadable
-are answered from here with the standard library only, at once; :mod:`lightning_determinism.divergence.cli`, which does
-a subcommand's work, is imported once the arguments are known to be good. ``python -m lightning_determinism`` runs the
-same :func:`main`, after the package's import.
+are answered from here with the standard library only, at once; :mod:`lightning_determinism.divergence.commands`,
+which does a subcommand's work, is imported once the arguments are known to be good. ``python -m
+lightning_determinism`` runs the same :func:`main`, after the package's import.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    from lightning_determinism.divergence.cli import run  # torch and Lightning: only now that there is work to do
+    from lightning_determinism.divergence.commands import run  # torch and Lightning: only now that there is work
 
     return run(args)
 

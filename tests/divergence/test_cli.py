@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import _lightning_determinism_cli as entry
-from lightning_determinism.divergence import cli
+from lightning_determinism.divergence import cli, commands
 from lightning_determinism.divergence.baseline_file import DEFAULT_ATOL, DEFAULT_RTOL
 from lightning_determinism.seeding.rank_states import CHECKPOINT_KEY
 from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
@@ -44,6 +44,7 @@ def test_the_console_script_is_the_light_entry_and_the_same_command():
     pyproject = (ROOT / "pyproject.toml").read_text()  # no tomllib on Python 3.10
     assert re.search(r'^lightning-determinism = "_lightning_determinism_cli:main"$', pyproject, re.M)
     assert cli.main is entry.main  # `python -m lightning_determinism` and older imports run the same function
+    assert commands.PROG == entry.PROG  # written out in both: the work's error lines name the same command
 
 
 def test_tolerances_shown_by_help_are_the_ones_compare_applies():
@@ -181,7 +182,7 @@ NOT_LOGS = " (nor a logger's directory: no hparams.yaml or TensorBoard event fil
 def test_the_entry_refuses_each_unusable_input_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
     a, _ = _baselines(tmp_path)
     names = {"a": a, "missing": tmp_path / "missing", "tmp": tmp_path}
-    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("the subcommand ran"))
+    monkeypatch.setattr(commands, "run", lambda args: pytest.fail("the subcommand ran"))
     assert entry.main([arg.format(**names) for arg in argv]) == 2
     assert capsys.readouterr().err.splitlines() == [f"lightning-determinism: error: {message.format(**names)}"]
 
