@@ -305,17 +305,19 @@ class _Server:
         except (OSError, ValueError):
             conn.close()
             return None
-        refused = startup_env(request["env"]) != startup_env(self.env)  # then Popen starts it cold
-        pid = 0 if refused else self._fork({**request, "nested": True}, stdio, keep=conn)
-        if pid == 0 and not refused:
+        if startup_env(request["env"]) != startup_env(self.env):  # the requester's Popen then starts it cold
+            for fd in stdio:
+                os.close(fd)
+            _send(conn, {"refused": "another environment at start"})
+            conn.close()
+            return None
+        pid = self._fork({**request, "nested": True}, stdio, keep=conn)
+        if pid == 0:
             return request
         for fd in stdio:
             os.close(fd)
-        _send(conn, {"refused": "another environment at start"} if refused else {"pid": pid})
-        if refused:
-            conn.close()
-        else:
-            self.watchers[pid] = conn
+        _send(conn, {"pid": pid})
+        self.watchers[pid] = conn
         return None
 
     def serve(self) -> dict[str, Any] | None:
