@@ -17,14 +17,16 @@ def model_parallel_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("model-parallel")
     (root / "fabric").mkdir()
     old_config = json.dumps([{"name": "old", "dp": 1, "tp": 2}])
+    # The Fabric loop's popen rank (its launcher runs the script again) forks from the warm interpreter too (nested):
+    # the popen path's own tests start it cold (test_fabric_dist.py, test_launchers.py).
     commands = {
-        "main": ([str(model_parallel.SCRIPT), str(root), json.dumps(model_parallel.CONFIGS)], {}),
-        "fabric": ([str(model_parallel.FABRIC), str(root / "fabric")], {}),
-        "old": ([str(model_parallel.SCRIPT), str(root / "old"), old_config], {"GUARD": "off"}),
+        "main": ([str(model_parallel.SCRIPT), str(root), json.dumps(model_parallel.CONFIGS)], {}, False),
+        "fabric": ([str(model_parallel.FABRIC), str(root / "fabric")], {}, True),
+        "old": ([str(model_parallel.SCRIPT), str(root / "old"), old_config], {"GUARD": "off"}, False),
     }
     procs = {
-        name: warm.start([sys.executable, *args], env=child_env(**env), merge_stderr=True)
-        for name, (args, env) in commands.items()
+        name: warm.start([sys.executable, *args], env=child_env(**env), merge_stderr=True, nested=nested)
+        for name, (args, env, nested) in commands.items()
     }
     done = {name: (proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for name, proc in procs.items()}
     for name in ("main", "fabric"):
