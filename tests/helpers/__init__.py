@@ -19,7 +19,10 @@ TIMEOUT_S = 30.0
 # A child Python process (an example, a resume phase, a torchrun node): ~25 s at most here; CI machines can be slower.
 CHILD_TIMEOUT_S = 600
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def requires_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a test ``gpu`` (``pytest -m gpu`` runs every CUDA test: scripts/gpu_check.sh) and skip it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def require_compiled_kernel() -> None:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_determinism.parallel import dtensor_random
-from tests.helpers import run_distributed
+from tests.helpers import requires_cuda, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -144,7 +144,7 @@ def test_routing_on_a_cpu_mesh_warns_nothing(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="DTensor's RNG tracker exists on CUDA meshes only")
+@requires_cuda  # DTensor's RNG tracker exists on CUDA meshes only
 def test_cuda_tracker_keeps_each_rank_seed(tmp_path):
     import torch.distributed as dist
     import torch.distributed.tensor._random as stock

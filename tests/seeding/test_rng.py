@@ -15,6 +15,7 @@ from lightning_determinism.seeding.rng import (
     get_rng_tracker,
     restore_rng_state,
 )
+from tests.helpers import requires_cuda
 from tests.helpers.lightning_models import draws
 
 
@@ -212,7 +213,7 @@ def test_generator_needs_a_base_seed(monkeypatch):
         generator("x")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda
 def test_tracker_tracks_the_cuda_generator():
     tracker = RNGStatesTracker()
     tracker.add("a", 5)
