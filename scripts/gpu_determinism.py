@@ -9,7 +9,9 @@ when any check failed. It needs one CUDA device; without one it says so and exit
    stock CUDA kernel is atomic) end with the same parameters, bitwise.
 3. The CUDA generator in checkpoints: a Lightning fit on one GPU drawing from the CUDA generator every step, resumed
    from a mid-epoch checkpoint in a new Trainer, ends bitwise equal to the uninterrupted fit.
-4. NCCL: a process group on the GPU all-reduces int64 and float64 exactly, and ``DistributedPerplexity`` synced
+4. Activation checkpointing on CUDA: dropout drawn from the tracker's CUDA stream inside a checkpointed block gives
+   the gradients of the block without checkpointing, bitwise (reentrant and non-reentrant forms).
+5. NCCL: a process group on the GPU all-reduces int64 and float64 exactly, and ``DistributedPerplexity`` synced
    over it gives the value it gives unsynced.
 """
 
@@ -176,6 +178,36 @@ def _cuda_states(tree) -> int:
     return 0
 
 
+def check_recompute() -> None:
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_determinism import get_rng_tracker
+
+    tracker = get_rng_tracker()
+
+    def block(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("gpu-check"):
+            h = nn.functional.dropout(lin(x), 0.5)
+        return nn.functional.dropout(h, 0.3)  # the default CUDA generator, torch's to restore
+
+    def grads(form: str | None) -> torch.Tensor:
+        tracker.reset()
+        tracker.add("gpu-check", 77)
+        torch.manual_seed(0)
+        lin = nn.Linear(64, 64).cuda()
+        x = torch.randn(32, 64, device="cuda", requires_grad=True)
+        out = block(lin, x) if form is None else checkpoint(block, lin, x, use_reentrant=form == "reentrant")
+        out.square().sum().backward()
+        return torch.cat([lin.weight.grad.flatten(), x.grad.flatten()])
+
+    plain = grads(None)
+    for form in ("reentrant", "non_reentrant"):
+        report(torch.equal(grads(form), plain), f"activation checkpointing ({form}) keeps the tracker's CUDA stream")
+    tracker.reset()
+
+
 def check_nccl(tmp: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -201,7 +233,7 @@ def check_nccl(tmp: Path) -> None:
             metric.to("cuda").update(logits.cuda(), target.cuda())
         a, b = synced.compute(), local.compute()
         report(bool(torch.equal(a.cpu(), b.cpu())), "DistributedPerplexity synced over NCCL", f"{a.item()!r}")
-        on_cpu = DistributedPerplexity()
+        on_cpu = DistributedPerplexity(sync_on_compute=False)  # NCCL carries no CPU tensors
         on_cpu.update(logits, target)
         cpu_value = on_cpu.compute()
         report(
@@ -224,11 +256,11 @@ def main() -> int:
         return 0
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for check in (check_backends, check_two_runs, lambda: check_resume(Path(tmp)), lambda: check_nccl(Path(tmp))):
+        for check in (check_backends, check_two_runs, check_resume, check_recompute, check_nccl):
             try:
-                check()
+                check(*([Path(tmp)] if check in (check_resume, check_nccl) else []))
             except Exception as error:  # one broken check must not hide the others' results
-                report(False, getattr(check, "__name__", "check"), f"{type(error).__name__}: {error}")
+                report(False, check.__name__, f"{type(error).__name__}: {error}")
     print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all CUDA checks passed")
     return 1 if FAILED else 0
 
