@@ -9,8 +9,15 @@ for this; the two places every form passes through are wrapped here:
 
 - ``CheckpointFunction.forward`` (``use_reentrant=True``): its ``run_function`` runs once in the forward and again,
   from ``ctx``, in the backward;
-- ``_checkpoint_without_reentrant_generator`` (``use_reentrant=False``, in ``torch.utils.checkpoint`` and, imported by
-  name, in ``torch.distributed._composable.checkpoint_activation``): its ``fn`` runs only for the recomputation.
+- the non-reentrant generator (``use_reentrant=False``, in ``torch.utils.checkpoint`` and, imported by name, in
+  ``torch.distributed._composable.checkpoint_activation``): its ``fn`` runs only for the recomputation. Up to torch
+  2.13 it is ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, ...)``; from 2.14 every form calls
+  ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, preserve_rng_state, ...)`` and the old name is a
+  shim over it, so the new one is wrapped where it exists (and only it: a call through the shim is wrapped once).
+
+torch's public ``checkpoint(..., context_fn=...)`` enters a context manager around the recomputation, but only for the
+non-reentrant calls that pass one, and selective checkpointing already uses it for its own: it cannot reach the
+checkpointing a model or a library does, so the private functions are still wrapped.
 
 Either way the function is replaced by one that, on every recomputation, enters the context manager the installed
 ``snapshot`` callable returned when the checkpointed forward started. ``preserve_rng_state=False`` is honoured: then
@@ -31,6 +38,7 @@ Snapshot = Callable[[], "AbstractContextManager[Any] | None"]
 _REENTRANT = "torch.utils.checkpoint"
 _GENERATOR_MODULES = ("torch.utils.checkpoint", "torch.distributed._composable.checkpoint_activation")
 _GENERATOR = "_checkpoint_without_reentrant_generator"
+_GENERATOR_IMPL = "_checkpoint_without_reentrant_generator_impl"  # torch 2.14 and newer
 
 _snapshots: list[Snapshot] = []
 _originals: dict[str, Any] = {}
@@ -82,6 +90,22 @@ def _non_reentrant(original: Callable[..., Any]) -> Callable[..., Any]:
     return generator
 
 
+def _non_reentrant_impl(original: Callable[..., Any]) -> Callable[..., Any]:
+    def impl(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+        return original(_wrap(fn, preserve_rng_state, False), *args, preserve_rng_state=preserve_rng_state, **kwargs)
+
+    impl.__wrapped__ = original  # type: ignore[attr-defined]
+    return impl
+
+
+def generator_name(module: Any) -> str | None:
+    """The non-reentrant generator every checkpointing form calls in ``module`` (``None``: neither name is there)."""
+    for name in (_GENERATOR_IMPL, _GENERATOR):
+        if hasattr(module, name):
+            return name
+    return None
+
+
 def install(snapshot: Snapshot) -> None:
     """Replay what ``snapshot()`` returns in every recomputation of a checkpointed forward (idempotent).
 
@@ -99,8 +123,12 @@ def install(snapshot: Snapshot) -> None:
             module = importlib.import_module(name)
         except ImportError:  # pragma: no cover  (a torch built without distributed)
             continue
-        _originals[name] = getattr(module, _GENERATOR)
-        setattr(module, _GENERATOR, _non_reentrant(_originals[name]))
+        function = generator_name(module)
+        if function is None:  # pragma: no cover  (checks.PIECES refuses such a torch first)
+            continue
+        wrapper = _non_reentrant_impl if function == _GENERATOR_IMPL else _non_reentrant
+        _originals[name] = (function, getattr(module, function))
+        setattr(module, function, wrapper(_originals[name][1]))
 
 
 def uninstall() -> None:
@@ -108,10 +136,22 @@ def uninstall() -> None:
     if not _originals:
         return
     sys.modules[_REENTRANT].CheckpointFunction.forward = _originals.pop("reentrant")
-    for name, original in _originals.items():
-        setattr(sys.modules[name], _GENERATOR, original)
+    for name, (function, original) in _originals.items():
+        setattr(sys.modules[name], function, original)
     _originals.clear()
     _snapshots.clear()
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward pass (where a checkpointed forward is recomputed).
+
+    ``torch._C._current_autograd_node()`` is the node the engine is running, ``None`` outside a backward pass; a torch
+    without it answers ``False`` (nothing can be told).
+    """
+    import torch
+
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
 
 
 def installed() -> bool:
@@ -119,4 +159,4 @@ def installed() -> bool:
     return bool(_originals)
 
 
-__all__ = ["Snapshot", "install", "installed", "uninstall"]
+__all__ = ["Snapshot", "generator_name", "in_backward", "install", "installed", "uninstall"]

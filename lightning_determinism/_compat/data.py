@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_determinism._compat.access import _private
-from lightning_determinism._compat.checks import (
-    _BaseDataLoaderIter,
-    _MultiProcessingDataLoaderIter,
-    _remove_worker_pids,
-)
+from lightning_determinism._compat.checks import _optional
 from lightning_determinism._compat.checks import worker_module as _worker_module
 from lightning_determinism._process import _rank_and_world_size
+
+_BaseDataLoaderIter = _optional("torch.utils.data.dataloader:_BaseDataLoaderIter")
+_MultiProcessingDataLoaderIter = _optional("torch.utils.data.dataloader:_MultiProcessingDataLoaderIter")
+_remove_worker_pids = _optional("torch.utils.data._utils.signal_handling:_remove_worker_pids")
 
 
 def loader_iterator(loader: Any) -> Any:

@@ -35,6 +35,7 @@ from lightning_determinism._compat.access import (
     should_accumulate,
     slurm_requeue,
 )
+from lightning_determinism._compat.checks import PREEMPTION, require
 from lightning_determinism.callbacks._evaluation_stop import EvaluationStop
 from lightning_determinism.errors import DeterminismWarning
 
@@ -74,6 +75,7 @@ class PreemptionCheckpoint(Callback):
         exit_code: int | str = 0,
         signals: tuple[int, ...] | None = None,
     ) -> None:
+        require(PREEMPTION)
         if not isinstance(filename, str) or not filename:
             raise TypeError(f"`filename` must be a non-empty str, got {filename!r}")
         if exit_code != "signal" and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):

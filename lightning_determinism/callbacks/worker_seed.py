@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_determinism._compat.checks import WORKERS, require
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.seeding.seeds import check_seed
@@ -47,6 +48,7 @@ class WorkerSeedCallback(Callback):
     """
 
     def __init__(self, seed: int | None = None, per_sample: bool = False) -> None:
+        require(WORKERS)
         self.seed = None if seed is None else check_seed(seed)
         if not isinstance(per_sample, bool):
             raise TypeError(f"`per_sample` must be a bool, got {per_sample!r}")

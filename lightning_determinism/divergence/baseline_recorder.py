@@ -53,6 +53,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_determinism._compat.checks import BASELINE, require
 from lightning_determinism.checkpoints.atomic import write_atomically
 from lightning_determinism.divergence.baseline_file import (
     DEFAULT_ATOL,
@@ -123,6 +124,7 @@ class BaselineRecorder:
         nonfinite_equal: bool = False,
         comm_every: int = DEFAULT_EVERY,
     ) -> None:
+        require(BASELINE)
         if mode not in ("record", "compare"):
             raise ValueError(f"`mode` must be 'record' or 'compare', got {mode!r}")
         if on_mismatch not in ("raise", "warn"):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_determinism._compat.checks import INVARIANT_FSDP2, require
 from lightning_determinism.invariance.tree import pair_groups
 
 
@@ -107,6 +108,8 @@ def install_tree_reduce_scatter(
         How many modules got one.
     """
     modules = fsdp_modules(module)
+    if modules:
+        require(INVARIANT_FSDP2)
     if groups is None:
         groups = pair_groups(world_size) if world_size > 1 else []
     for fsdp_module in modules:

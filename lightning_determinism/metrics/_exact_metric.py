@@ -15,6 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_determinism._compat.access import metric_defaults
+from lightning_determinism._compat.checks import METRICS, require
 from lightning_determinism.exact import check_total, exact_mean, exact_sum, normalize, zero_limbs
 
 
@@ -40,6 +41,7 @@ class ExactMetric(Metric):
     nonfinite: Tensor
 
     def __init__(self, **kwargs: Any) -> None:
+        require(METRICS)
         super().__init__(**kwargs)
         self.add_state(self._LIMBS, default=zero_limbs(), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")

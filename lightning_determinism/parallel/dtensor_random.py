@@ -41,6 +41,7 @@ from lightning_determinism._compat.access import (
     keep_dtensor_tracker_from_syncing,
     wrap_dtensor,
 )
+from lightning_determinism._compat.checks import DTENSOR, require
 
 _aten = torch.ops.aten
 SAMPLERS = (
@@ -80,6 +81,7 @@ def install(mesh: Any = None) -> list[Any]:
         mesh: the run's device mesh; on a CUDA mesh DTensor's tracker is created now without its rank-0 state sync
             (it is then never asked for the routed ops; its ``rand``/``randn`` factories keep each rank's state).
     """
+    require(DTENSOR)
     handlers = dtensor_op_handlers()
     random_ops = dtensor_random_ops()
     routed = [op for op in HANDLED if op in random_ops or op in SAMPLERS]

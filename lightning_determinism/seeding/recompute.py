@@ -22,11 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_determinism._compat import checkpointing
+from lightning_determinism._compat.checks import FEATURES, RECOMPUTE, available, missing, versions
+from lightning_determinism.errors import IncompatibleVersionError
 
 SnapshotFn = Callable[[], Any]
 SwapFn = Callable[[Any], Any]
 
 _OWNERS: list[tuple[SnapshotFn, SwapFn]] = []
+_UNGUARDED: list[bool] = [False]  # True where torch lacks what the replay wraps: recomputations are refused instead
 
 
 class _Replay:
@@ -85,7 +88,29 @@ def register(take: SnapshotFn, swap: SwapFn) -> None:
     """
     if all(owner[0] != take for owner in _OWNERS):
         _OWNERS.append((take, swap))
-    checkpointing.install(snapshot)
+    if available(RECOMPUTE):
+        checkpointing.install(snapshot)
+    else:  # no replay here: a recomputation that draws from a package stream is refused (refuse_recomputation)
+        _UNGUARDED[0] = True
+
+
+def refuse_recomputation(stream: str) -> None:
+    """Refuse a draw from a package stream inside a backward pass where the replay could not be installed.
+
+    Such a draw is a checkpointed forward's recomputation (or, rarely, a custom backward): without the replay it would
+    draw another mask than the forward applied, and the gradients would silently differ. Free where the replay is
+    installed (one list lookup).
+
+    Raises:
+        IncompatibleVersionError: in one line, naming the stream, the installed versions and where the replay works.
+    """
+    if _UNGUARDED[0] and checkpointing.in_backward():
+        names = "; ".join(piece.name.split(" (")[0] for piece in missing(RECOMPUTE))
+        raise IncompatibleVersionError(
+            f"lightning_determinism: {stream} was drawn from in a recomputed (activation-checkpointed) forward, and"
+            f" {RECOMPUTE} cannot run with the installed {versions()} ({names} missing or changed; it works with"
+            f" {FEATURES[RECOMPUTE]}): the recomputation would draw other numbers than the forward did"
+        )
 
 
 def unregister(take: SnapshotFn) -> None:
@@ -93,4 +118,4 @@ def unregister(take: SnapshotFn) -> None:
     _OWNERS[:] = [owner for owner in _OWNERS if owner[0] != take]
 
 
-__all__ = ["register", "snapshot", "unregister"]
+__all__ = ["refuse_recomputation", "register", "snapshot", "unregister"]

@@ -32,6 +32,7 @@ from lightning_determinism.seeding.generators import (
     named_generator_states,
     restore_named_generators,
 )
+from lightning_determinism.seeding.recompute import _UNGUARDED, refuse_recomputation
 from lightning_determinism.seeding.record import BASE_SEED_ENV
 from lightning_determinism.seeding.seeds import check_seed, derive_seed
 
@@ -65,6 +66,8 @@ class _Fork:
         if self._depth:
             self._depth += 1
             return
+        if _UNGUARDED[0]:  # torch lacks what the replay wraps: a recomputed fork is refused, never silently redrawn
+            refuse_recomputation(f"the RNG tracker's stream {self._name!r}")
         stream = self._stream
         if stream is None:
             stream = self._stream = self._tracker._untracked(self._name)  # added after this fork was made

@@ -12,6 +12,7 @@ import difflib
 import inspect
 from typing import Any
 
+from lightning_determinism._compat.checks import INVARIANT, require
 from lightning_determinism.invariance.invariant import InvariantTraining
 from lightning_determinism.seeding.seeds import check_seed
 
@@ -95,6 +96,7 @@ def invariant_training(
     """
     if global_batch_size is None and micro_batch_size is None:
         return None
+    require(INVARIANT)
     if global_batch_size is None or micro_batch_size is None:
         raise ValueError(
             "world-size-invariant training needs both `global_batch_size` and `micro_batch_size`, got"

@@ -49,6 +49,7 @@ from lightning_determinism._compat.access import (
     replace_backward_sync_control,
     saves_distributed_checkpoint,
 )
+from lightning_determinism._compat.checks import FABRIC, MODEL_PARALLEL, require
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.worker_seeding import LoaderSeeding
@@ -108,6 +109,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         invariant_threads: int = 1,
         **kwargs: Any,
     ) -> None:
+        require(FABRIC)
         check_keywords(type(self), DeterministicFabricStrategyMixin, kwargs)
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
         invariant = invariant_training(global_batch_size, micro_batch_size, invariant_threads, self._ldet_steps,
@@ -302,6 +304,7 @@ class DeterministicFabricModelParallelStrategy(DeterministicFabricStrategyMixin,
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        require(MODEL_PARALLEL)
         super().__init__(*args, **kwargs)
         check_mesh_sizes(model_parallel_sizes(self), 1, None, self._ldet_invariant is not None)
 

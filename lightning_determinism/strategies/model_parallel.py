@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_determinism._compat.access import model_parallel_sizes, module_trainer, saves_distributed_checkpoint
-from lightning_determinism._compat.checks import MultiProcessingLauncher
+from lightning_determinism._compat.checks import MODEL_PARALLEL, MultiProcessingLauncher, require
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.checkpoints.distributed import load_distributed_checkpoint
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
@@ -60,6 +60,7 @@ class DeterministicModelParallelStrategy(DeterministicStrategyMixin, ModelParall
     _ldet_file_saves_through_io = True
 
     def __init__(self, *args: Any, start_method: str = "popen", **kwargs: Any) -> None:
+        require(MODEL_PARALLEL)
         if start_method not in START_METHODS:
             raise ValueError(f"`start_method` must be one of {START_METHODS}, got {start_method!r}")
         self.start_method = start_method

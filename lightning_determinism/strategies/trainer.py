@@ -32,7 +32,7 @@ from lightning_determinism._compat.access import (
     module_trainer,
     swap_launcher,
 )
-from lightning_determinism._compat.checks import set_sampler_epoch
+from lightning_determinism._compat.checks import TRAINER, require, set_sampler_epoch
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
@@ -106,6 +106,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         log_record: bool = True,
         **kwargs: Any,
     ) -> None:
+        require(TRAINER)
         check_keywords(type(self), DeterministicStrategyMixin, kwargs)
         if not isinstance(log_record, bool):
             raise TypeError(f"`log_record` must be a bool, got {log_record!r}")

@@ -109,32 +109,100 @@ def test_lightning_older_than_the_floor_is_refused(monkeypatch):
     assert "docs/compatibility.md" in message
 
 
-# Run in a warm child (tests/helpers/warm.py), which imported the package already: forget it, then import it again.
+# Run in a warm child (tests/helpers/warm.py), which imported the package already: forget it, take a private name
+# away, then import it again and use what does not need the name, then what does.
 _IMPORT_WITHOUT_A_NAME = """import sys
 for name in [name for name in sys.modules if name.split(".")[0] == "lightning_determinism"]:
     del sys.modules[name]
+import torch
 import lightning.pytorch.utilities.data as data
-if sys.argv[1] == "gone":
+import torch.utils.checkpoint as checkpointing
+import torch.distributed._composable.checkpoint_activation as composable
+gone = sys.argv[1]
+if gone == "update_dataloader":
     del data._update_dataloader
-import lightning_determinism
-print("imported")
+elif gone == "checkpoint_generator":  # what the non-reentrant replay wraps, under both names it had
+    for module in (checkpointing, composable):
+        for attr in ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl"):
+            if hasattr(module, attr):
+                delattr(module, attr)
+import lightning_determinism as ld
+print("imported yes", flush=True)
+_ = torch.manual_seed(0)
+seed = ld.set_seed(5)
+ppl = ld.DistributedPerplexity()
+ppl.update(torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3)))
+print("core", seed, float(ppl.compute()) > 1, flush=True)
+def attempt(what, fn):
+    try:
+        fn()
+        print(what, "ok", flush=True)
+    except ld.IncompatibleVersionError as error:
+        print(what, "refused", str(error).replace(chr(10), " | "), flush=True)
+attempt("strategy", lambda: ld.DeterministicDDPStrategy(seed=1))
+attempt("callback", lambda: ld.WorkerSeedCallback())
+tracker = ld.get_rng_tracker()
+tracker.add("ldet-test", 17)
+layer = torch.nn.Linear(4, 4)
+def block(x):
+    with tracker.fork("ldet-test"):
+        return torch.nn.functional.dropout(layer(x), 0.5)
+x = torch.ones(3, 4, requires_grad=True)
+attempt("plain", lambda: block(x).sum().backward())
+attempt("recomputed", lambda: checkpointing.checkpoint(block, x, use_reentrant=True).sum().backward())
 """
 
 
-@pytest.mark.parametrize("name", ["gone", "present"])
-def test_importing_the_package_fails_with_the_message_when_a_name_is_gone(tmp_path, name):
+def _import_without(tmp_path, gone):
     script = tmp_path / "import_it.py"
     script.write_text(_IMPORT_WITHOUT_A_NAME)
-    child = warm.start([sys.executable, str(script), name], env=child_env())
+    child = warm.start([sys.executable, str(script), gone], env=child_env())
     out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
-    if name == "present":  # the same import again, nothing missing: it succeeds (the child can tell the two apart)
-        assert child.returncode == 0 and out.strip() == "imported", err[-3000:]
-        return
-    assert child.returncode != 0 and "imported" not in out
-    last = err.strip().splitlines()
-    assert any(line.startswith("lightning_determinism.errors.IncompatibleVersionError") for line in last)
-    assert f"installed lightning {lightning.__version__}" in err
-    assert "_update_dataloader(dataloader, sampler)" in err
+    assert child.returncode == 0, err[-3000:]
+    return dict(line.split(" ", 1) for line in out.strip().splitlines())
+
+
+def test_a_missing_name_leaves_the_import_and_other_features_and_refuses_its_feature_in_one_line(tmp_path):
+    said = _import_without(tmp_path, "update_dataloader")
+    assert said["imported"] == "yes"
+    assert said["core"] == "5 True"  # seeding and the exact metric need none of it
+    assert said["callback"] == "ok" and said["plain"] == "ok" and said["recomputed"] == "ok"
+    refusal = said["strategy"]
+    assert refusal.startswith("refused ") and " | " not in refusal  # one line
+    assert _compat.TRAINER in refusal and "_update_dataloader" in refusal
+    assert f"torch {torch.__version__}" in refusal and f"lightning {lightning.__version__}" in refusal
+    assert _compat.FEATURES[_compat.TRAINER] in refusal  # where it works
+
+
+def test_without_the_replay_a_recomputed_draw_from_a_package_stream_is_refused(tmp_path):
+    said = _import_without(tmp_path, "checkpoint_generator")
+    assert said["core"] == "5 True" and said["strategy"] == "ok" and said["plain"] == "ok"
+    refusal = said["recomputed"]
+    assert refusal.startswith("refused ") and " | " not in refusal
+    assert "'ldet-test'" in refusal and _compat.RECOMPUTE in refusal and f"torch {torch.__version__}" in refusal
+
+
+def test_the_same_child_with_nothing_missing_replays_instead(tmp_path):
+    said = _import_without(tmp_path, "nothing")
+    assert said["strategy"] == said["recomputed"] == said["callback"] == "ok"
+
+
+def test_require_refuses_only_the_feature_whose_piece_is_gone(monkeypatch):
+    monkeypatch.setattr(_compat, "_REQUIRED", set())
+    monkeypatch.delattr(importlib.import_module("torch"), "_foreach_norm")
+    with pytest.raises(IncompatibleVersionError, match="numerical baselines") as caught:
+        _compat.require(_compat.BASELINE)
+    assert "\n" not in str(caught.value) and "torch._foreach_norm" in str(caught.value)
+    assert not _compat.available(_compat.BASELINE)
+    for feature in set(_compat.FEATURES) - {_compat.BASELINE}:
+        _compat.require(feature)
+    with pytest.raises(ValueError, match="`feature` must be one of"):
+        _compat.missing("no such feature")
+
+
+def test_every_piece_belongs_to_a_feature_and_every_feature_says_where_it_works():
+    assert {piece.feature for piece in PIECES} <= set(_compat.FEATURES)
+    assert all("torch" in where or "torchmetrics" in where for where in _compat.FEATURES.values())
 
 
 def test_an_attribute_missing_at_run_time_is_a_clear_error():
