@@ -4,7 +4,7 @@ No public API serves these needs (each entry of :data:`PIECES` says why). Each p
 :data:`FEATURES`; importing the package never fails for a missing one. A feature checks its pieces when it is turned on
 (:func:`require`: a strategy's construction, a callback's, an exact metric's, the first use) and refuses in one line
 naming the feature, the installed versions and the versions where it works; everything else keeps working.
-:func:`check_compat` checks them all (the suite's first test, and a user's ``python -m lightning_determinism``).
+:func:`check_compat` checks them all at once (the suite's first test does; a user can, to see what a release moved).
 Attributes that exist only on instances are checked from the code of the ``__init__`` that assigns them, and again
 where they are read (the accessors of :mod:`~lightning_determinism._compat.access`).
 The tested versions: ``docs/compatibility.md``.
@@ -93,6 +93,9 @@ KERNEL = "the compiled perplexity kernel"
 METRICS = "the exact metrics (DistributedPerplexity, DistributedMean)"
 PLOTS = "the exact metrics' plot() types"
 
+NEWER_TORCH: dict[str, str] = {INVARIANT_FSDP2: "2.9"}
+"""The features that need a torch newer than :data:`TORCH_FLOOR`: there they refuse, the rest of the package works."""
+
 FEATURES: dict[str, str] = {
     TRAINER: TESTED,
     FABRIC: TESTED,
@@ -162,6 +165,18 @@ def _foreach_norm_takes_a_dtype() -> bool:
     try:
         return bool(torch._foreach_norm([torch.ones(2)], 2, dtype=torch.float64)[0].dtype == torch.float64)
     except (TypeError, RuntimeError):
+        return False
+
+
+def _worker_info_takes_its_fields() -> bool:
+    """``WorkerInfo(id=, num_workers=, seed=, dataset=)`` builds one that reads them back.
+
+    Its signature is ``**kwargs`` up to torch 2.10 and named fields after: construction is what is checked.
+    """
+    try:
+        info = _lookup("torch.utils.data._utils.worker:WorkerInfo")(id=1, num_workers=2, seed=3, dataset="d")
+        return (info.id, info.num_workers, info.seed, info.dataset) == (1, 2, 3, "d")
+    except (ImportError, AttributeError, TypeError, ValueError):
         return False
 
 
@@ -345,7 +360,7 @@ PIECES: tuple[Piece, ...] = (
           "a stream resumed on another grid plays the old workers' shards (get_worker_info() must name the old "
           "worker); a resumed worker takes over another worker's role (seeded as torch seeds that worker's numpy)",
           lambda: hasattr(importlib.import_module("torch.utils.data._utils.worker"), "_worker_info")
-          and _exists("torch.utils.data._utils.worker:WorkerInfo", "id", "num_workers", "seed", "dataset")()
+          and _worker_info_takes_its_fields()
           and _exists("torch.utils.data._utils.worker:_generate_state", "base_seed", "worker_id")()),
     Piece(BASELINE, "torch._foreach_norm(tensors, ord, dtype=)",
           "a baseline's norms of every gradient and parameter in one call (7 per-tensor calls cost 0.2 ms a step, most"
@@ -494,7 +509,7 @@ def check_compat() -> None:
         IncompatibleVersionError: naming the installed versions and every missing piece with its feature and purpose.
 
     Examples:
-        >>> check_compat()  # the installed versions are fine
+        >>> check_compat() if not missing() else None  # raises only where a piece is missing
     """
     gone = missing()
     if gone:
@@ -516,6 +531,7 @@ __all__ = [
     "LIGHTNING_FLOOR",
     "METRICS",
     "MODEL_PARALLEL",
+    "NEWER_TORCH",
     "MultiProcessingLauncher",
     "PIECES",
     "PLOTS",

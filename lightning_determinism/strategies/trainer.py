@@ -37,6 +37,7 @@ from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
+from lightning_determinism.invariance.fsdp import average_over_gloo
 from lightning_determinism.invariance.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.invariance.tree import PairwiseAllReduce
 from lightning_determinism.parallel.mesh import follow_mesh
@@ -218,6 +219,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         # norm of tensor-parallel and FSDP2 gradients on two meshes fails outright, and sums shards in their order.
         if self.invariant is not None or device_mesh_of(self) is not None:
             self._ldet_restore_clipping = clip_exactly(self.precision_plugin)  # type: ignore[attr-defined]
+        if device_mesh_of(self) is not None:
+            average_over_gloo(trainer.lightning_module)  # torch 2.8's FSDP2 sums over gloo
         if self.invariant is not None and device_mesh_of(self) is not None:
             self._ldet_invariant_fsdp(trainer)
         self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]

@@ -195,8 +195,11 @@ def _fsdp2_loop(rank, world_size, path, x, y):
     from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_determinism.invariance.fsdp import average_over_gloo
+
     model = _model()
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",)))
+    average_over_gloo(model)  # torch 2.8's FSDP2 sums over gloo (the strategies do this themselves)
     recorder = BaselineRecorder(path, steps=2, comm_every=1)
     recorder.set_run(strategy="fully_shard by hand")
     _loop(model, recorder, x[rank::world_size], y[rank::world_size])

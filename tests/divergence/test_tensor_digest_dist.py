@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_determinism.divergence.tensor_digest import digests, full_norms
-from tests.helpers import run_distributed
+from tests.helpers import requires_even_strided_fix, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -52,7 +52,7 @@ def _sharded(rank, world_size, out_dir, tp):
     torch.save(record, out_dir / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (2, 2), pytest.param(4, 2, marks=requires_even_strided_fix)])
 def test_one_parameters_digest_is_the_one_process_digest_whatever_the_sharding(tmp_path, world_size, tp):
     run_distributed(_sharded, tmp_path, tmp_path, tp, world_size=world_size)
     reference, norms = _one_process()

@@ -15,10 +15,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_determinism import DeterministicFabricDDPStrategy, DeterministicModelParallelStrategy, fingerprint
+from lightning_determinism._compat.checks import INVARIANT_FSDP2
 from lightning_determinism.invariance.clipping import exact_grad_norm
-from tests.helpers import run_distributed
+from tests.helpers import requires_feature, run_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires_feature(INVARIANT_FSDP2)]  # the fits are invariant FSDP2 ones
 
 B, M_SIZE = 8, 2  # 4 micro-batches per step: K = 4, 2, 1 on 1, 2, 4 ranks
 CLIP = 0.02  # below every step's norm here (checked): clipping is active on every step

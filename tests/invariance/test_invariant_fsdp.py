@@ -13,8 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_determinism import DeterministicModelParallelStrategy, fingerprint
+from lightning_determinism._compat.checks import INVARIANT_FSDP2
+from tests.helpers import requires_feature
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires_feature(INVARIANT_FSDP2)]
 
 B, M_SIZE = 8, 2  # 4 micro-batches per step: K = 4, 2, 1 on 1, 2, 4 ranks
 

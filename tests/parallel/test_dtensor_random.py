@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_determinism.parallel import dtensor_random
-from tests.helpers import requires_cuda, run_distributed
+from tests.helpers import requires_cuda, requires_even_strided_fix, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -101,7 +101,7 @@ def _meta_init(rank, world_size, out_dir, tp):
     torch.save(state, out_dir / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize(("world_size", "tp"), [(2, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize(("world_size", "tp"), [(2, 2), (2, 1), pytest.param(4, 2, marks=requires_even_strided_fix)])
 def test_meta_device_initialisation_is_the_one_process_model(tmp_path, world_size, tp):
     run_distributed(_meta_init, tmp_path, tmp_path, tp, world_size=world_size)
     torch.manual_seed(5)
