@@ -1,3 +1,3 @@
 """Package version, kept apart so that packaging can read it without importing torch."""
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"

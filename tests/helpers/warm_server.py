@@ -35,8 +35,9 @@ from typing import Any
 # What a cold start reads from the environment before any script line runs: a request that differs here gets one.
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "LD_", "MKL_", "KMP_", "GOMP_", "OMP_PROC_BIND", "OMP_WAIT_POLICY", "CUDA_")
 # ... but not these, read when used, not at start: torchrun sets the first two for its workers (read when a process
-# group starts); torch sets the last to its default the first time it needs Inductor's cache (and reads it each time).
-RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR")
+# group starts); torch sets TORCHINDUCTOR_CACHE_DIR to its default the first time it needs Inductor's cache (and reads
+# it each time), and torch 2.8 sets CUDA_MODULE_LOADING=LAZY when Inductor first looks for CUDA (read when CUDA starts).
+RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING")
 PRELOAD = ("numpy", "torch", "torch.distributed", "lightning", "lightning.pytorch", "torchmetrics",
            "lightning_determinism")  # fmt: skip
 # A child that must be the requester's own child: the package's popen launcher's ranks check their parent's pid.
