@@ -63,7 +63,7 @@ SubprocessScriptLauncher = _optional(
 update_dataloader = _optional("lightning.pytorch.utilities.data:_update_dataloader")
 mark_unbacked = _optional("torch._dynamo.decorators:mark_unbacked")
 BatchNorm = _optional("torch.nn.modules.batchnorm:_BatchNorm")
-worker_module = importlib.import_module("torch.utils.data._utils.worker")  # public module, private names inside
+worker_module: Any = importlib.import_module("torch.utils.data._utils.worker")  # public module, private names inside
 AX_TYPE: Any = _optional("torchmetrics.utilities.plot:_AX_TYPE")
 PLOT_OUT_TYPE: Any = _optional("torchmetrics.utilities.plot:_PLOT_OUT_TYPE")
 if isinstance(AX_TYPE, type) and issubclass(AX_TYPE, _Missing):  # only annotations use them

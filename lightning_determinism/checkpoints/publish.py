@@ -14,7 +14,9 @@ save instead:
    every shard file;
 3. once every rank has written (a barrier), rank 0 publishes it: where the final name exists, the two directories
    are swapped in one ``renameat2(RENAME_EXCHANGE)`` (Linux), else the old one is renamed aside to
-   ``.NAME.TOKEN.old`` and the new one into place; then the old one is deleted, with any leftover of a killed save.
+   ``.NAME.TOKEN.old`` and the new one into place; then the old one is deleted. Only this save's own hidden
+   directories are removed: a hidden save of another token (one a kill cut short, or another run's in progress in a
+   shared directory: from here the two look alike) stays, named once in a warning.
 
 At every instant the final name is the complete old checkpoint, the complete new one, or (between the two renames
 where the swap is not available) missing with both complete ones hidden beside it:
@@ -36,11 +38,13 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning_determinism.checkpoints.file import DamagedCheckpointError
 from lightning_determinism.checkpoints.shard_digests import INDEX_NAME, MARK, SHARD_SUFFIX, size_and_crc
+from lightning_determinism.errors import DeterminismWarning
 
 SHARD_MARK = "lightning_determinism_save_"
 """The prefix of the entry each rank adds to its shards: ``lightning_determinism_save_<rank>`` -> ``token:rank``."""
@@ -154,9 +158,28 @@ def publish(hidden: str | os.PathLike[str], final: str | os.PathLike[str]) -> No
     else:
         os.rename(hidden, final)
         _fsync_directory(final.parent)
-    for parts in _hidden_siblings(final).values():  # what killed saves left (the next save cleans up)
-        for path in parts.values():
-            _remove(path)
+    _say_what_others_left(final)
+
+
+_SAID: set[str] = set()  # the directories whose leftovers were named once in this process
+
+
+def _say_what_others_left(final: Path) -> None:
+    """Name, once per directory, the hidden saves of ``final``'s name that this save did not write; remove none.
+
+    One is a save a kill cut short, or another run's save in progress in a shared directory: from here they look the
+    same, and deleting the second would lose that run's checkpoint, so only its own leftovers are a save's to remove.
+    """
+    others = sorted(path.name for parts in _hidden_siblings(final).values() for path in parts.values())
+    if others and str(final.parent) not in _SAID:
+        _SAID.add(str(final.parent))
+        warnings.warn(
+            f"{final.parent}: hidden saves of {final.name} that this run did not write are left as they are"
+            f" ({', '.join(others)}): a save a kill cut short, or another run's in progress; delete them once no run"
+            " writes there",
+            DeterminismWarning,
+            stacklevel=3,
+        )
 
 
 def finish_interrupted_publish(final: str | os.PathLike[str]) -> str | None:
@@ -164,7 +187,7 @@ def finish_interrupted_publish(final: str | os.PathLike[str]) -> str | None:
 
     Only where ``final`` is missing and a hidden old checkpoint is there (the publish had begun, so the new one beside
     it is complete): the new one is put in place (the old one if the new one is gone). A hidden ``.tmp`` alone is a
-    save killed before it was published: it stays hidden (the next save removes it).
+    save killed before it was published, or another run's in progress: it stays hidden (the next save names it).
 
     Examples:
         >>> import tempfile

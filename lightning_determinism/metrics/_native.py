@@ -18,7 +18,12 @@ While a row's exponentials are computed, the next row is prefetched into the L2 
 core busy, the prefetch uses the memory bandwidth that would otherwise wait for the next row's max.
 
 The shared library is cached under :data:`CACHE_ENV` (default: ``<tempdir>/lightning_determinism-<user>``), keyed
-by the source, the compiler and its flags, and the CPU. No OpenMP: threads are started per call (pthreads) and
+by the source, the compiler and its flags, and the CPU. On a machine shared by many users that name is predictable, so
+nothing found there is trusted as found: the directory is created private (0700), and before anything is built or
+loaded it must be a real directory (no link) owned by this user that no one else can write, and every library a
+regular file owned by this user that no one else can write. A directory that fails is never used: the process takes a
+new private one instead (``mkdtemp``) and says so once (a :class:`~lightning_determinism.errors.DeterminismWarning`); a
+library that fails is built again. No OpenMP: threads are started per call (pthreads) and
 joined before it returns, so a forked process inherits no thread pool.
 """
 
@@ -30,13 +35,17 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_determinism.errors import DeterminismWarning
 
 CACHE_ENV = "LDET_KERNEL_CACHE"
 """Directory of the compiled kernel; default ``<tempdir>/lightning_determinism-<user>``."""
@@ -192,7 +201,7 @@ def _flag_sets() -> list[list[str]]:
     return [base + native, base]  # without -march=native where the compiler refuses it (some ARM toolchains)
 
 
-def cache_dir() -> str:
+def _default_cache_dir() -> str:
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return explicit
@@ -203,6 +212,64 @@ def cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"lightning_determinism-{user}")
 
 
+def untrusted(path: str, directory: bool) -> str | None:
+    """Why ``path`` must not be loaded from (or built into), or ``None`` when only this user can have written it.
+
+    Trusted: a directory (``directory=True``) or a regular file, not a symbolic link, owned by this user, that neither
+    its group nor others can write. Where the platform has no owners (Windows) nothing is refused.
+    """
+    if not hasattr(os, "getuid"):
+        return None
+    try:
+        info = os.lstat(path)
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    kind = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
+    if not kind:
+        return "is a link or not a " + ("directory" if directory else "regular file")
+    if info.st_uid != os.getuid():
+        return f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+_CACHE: dict[str, str] = {}  # the default directory -> the directory this process uses for it
+_CACHE_LOCK = threading.Lock()
+
+
+def cache_dir() -> str:
+    """The kernel cache this process uses: :data:`CACHE_ENV` or the default, created private (0700).
+
+    Where that one fails :func:`untrusted` (another user made it first, or may write it), a new private one, said once.
+    """
+    wanted = _default_cache_dir()
+    with _CACHE_LOCK:
+        used = _CACHE.get(wanted)
+        if used is not None and used != wanted:
+            return used  # the replacement made earlier in this process
+        try:
+            os.makedirs(wanted, mode=0o700, exist_ok=True)
+        except OSError:
+            pass  # untrusted() says why
+        why = untrusted(wanted, directory=True)
+        if why is None:
+            if hasattr(os, "chmod"):
+                os.chmod(wanted, 0o700)  # one an older release made 0755: readable by all, now private too
+            _CACHE[wanted] = wanted
+            return wanted
+        replacement = tempfile.mkdtemp(prefix="lightning_determinism-kernels-")  # 0700, ours
+        _CACHE[wanted] = replacement
+        warnings.warn(
+            f"the kernel cache {wanted} {why}: another user could put code there that this process would load;"
+            f" using {replacement} instead for this process (set {CACHE_ENV} to a private directory to keep compiled"
+            " kernels between runs)",
+            DeterminismWarning,
+            stacklevel=2,
+        )
+        return replacement
+
+
 def library_path(compiler: str, version: str, flags: list[str], source: str = SOURCE, stem: str = "row_stats") -> str:
     """Where the library built from ``source`` by ``compiler`` (its ``--version``) with ``flags`` is cached."""
     key = hashlib.sha256("\0".join([source, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
@@ -211,7 +278,7 @@ def library_path(compiler: str, version: str, flags: list[str], source: str = SO
 
 def _compile(compiler: str, flags: list[str], target: str, code: str = SOURCE) -> str | None:
     """Build the library into ``target``; the compiler's message on failure."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
     source = f"{target[:-3]}_{os.getpid()}_{threading.get_ident()}.c"
     partial = f"{source}.so"
     with open(source, "w") as f:
@@ -232,6 +299,14 @@ def _declare_row_stats(lib: ctypes.CDLL) -> None:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
 
 
+def _load(target: str) -> ctypes.CDLL:
+    """``ctypes.CDLL(target)``, once :func:`untrusted` finds nothing against the file (checked just before)."""
+    why = untrusted(target, directory=False)
+    if why is not None:
+        raise OSError(f"{target} {why}: not loaded")
+    return ctypes.CDLL(target)
+
+
 def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare_row_stats) -> ctypes.CDLL:
     """Compile (or find in the cache) and load a kernel: the perplexity's by default.
 
@@ -248,19 +323,21 @@ def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare
     errors = []
     for flags in _flag_sets():
         target = library_path(compiler, version, flags, source, stem)
+        if os.path.lexists(target) and untrusted(target, directory=False) is not None:
+            os.remove(target)  # the directory is ours: a file in it that is not stays unloaded, and is built again
         if not os.path.exists(target):
             error = _compile(compiler, flags, target, source)
             if error is not None:
                 errors.append(error)
                 continue
         try:
-            lib = ctypes.CDLL(target)
+            lib = _load(target)
         except OSError:
             error = _compile(compiler, flags, target, source)
             if error is not None:
                 errors.append(error)
                 continue
-            lib = ctypes.CDLL(target)
+            lib = _load(target)
         declare(lib)
         return lib
     raise RuntimeError(f"{compiler} failed: {errors[-1] if errors else 'unknown error'}")
@@ -330,4 +407,14 @@ class NativeKernel(LazyLibrary):
         )
 
 
-__all__ = ["CACHE_ENV", "LazyLibrary", "NativeKernel", "SOURCE", "build", "cache_dir", "find_compiler", "library_path"]
+__all__ = [
+    "CACHE_ENV",
+    "LazyLibrary",
+    "NativeKernel",
+    "SOURCE",
+    "build",
+    "cache_dir",
+    "find_compiler",
+    "library_path",
+    "untrusted",
+]

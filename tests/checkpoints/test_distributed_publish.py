@@ -70,7 +70,8 @@ def test_a_save_killed_after_its_shards_leaves_the_previous_checkpoint_and_last_
     for rank in (0, 1):
         assert _record(root, "killed-resumed", rank)["steps"]["6"] == _record(root, "straight", rank)["steps"]["6"]
     assert straight["steps"]["6"] == resumed["steps"]["6"]
-    assert not [name for name in os.listdir(root / "killed") if name.startswith(".")]  # the next save cleaned up
+    # The next saves left it: from there a save a kill cut short looks like another run's in progress (named once).
+    assert [name for name in os.listdir(root / "killed") if name.startswith(".")] == hidden
 
 
 @pytest.mark.distributed
@@ -136,15 +137,32 @@ def _checkpoint_dir(path: Path, text: str) -> Path:
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["exchange", "two-renames"])
-def test_publishing_replaces_the_old_directory_and_leaves_nothing_hidden(tmp_path, monkeypatch, swap):
+def test_publishing_replaces_the_old_directory_and_leaves_nothing_of_its_own_hidden(tmp_path, monkeypatch, swap):
     if not swap:
         monkeypatch.setattr(publish_module, "_exchange", lambda a, b: False)  # NFS: no RENAME_EXCHANGE
+    monkeypatch.setattr(publish_module, "_SAID", set())
     final = _checkpoint_dir(tmp_path / "last.ckpt", "old")
-    leftover = _checkpoint_dir(hidden_path(final, "f" * 16), "killed")  # what a killed save left
-    publish(_checkpoint_dir(hidden_path(final, "a" * 16), "new"), final)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeterminismWarning)  # nothing of another's beside it: nothing to say
+        publish(_checkpoint_dir(hidden_path(final, "a" * 16), "new"), final)
     assert (final / "meta.pt").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
-    assert not leftover.exists()
+
+
+def test_another_runs_save_in_progress_beside_it_is_left_whole_and_named_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(publish_module, "_SAID", set())
+    final = _checkpoint_dir(tmp_path / "last.ckpt", "old")
+    theirs = _checkpoint_dir(hidden_path(final, "f" * 16), "another run, still writing")
+    (theirs / "__0_0.distcp").write_bytes(b"shard")
+    with pytest.warns(DeterminismWarning, match=r"hidden saves of last.ckpt that this run did not write") as said:
+        publish(_checkpoint_dir(hidden_path(final, "a" * 16), "new"), final)
+    assert theirs.name in str(said[0].message)
+    assert (theirs / "meta.pt").read_text() == "another run, still writing" and (theirs / "__0_0.distcp").exists()
+    assert (final / "meta.pt").read_text() == "new"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeterminismWarning)  # once per directory
+        publish(_checkpoint_dir(hidden_path(final, "b" * 16), "newer"), final)
+    assert theirs.exists() and (final / "meta.pt").read_text() == "newer"
 
 
 def test_a_kill_between_the_two_renames_is_settled_by_the_check_before_the_resume(tmp_path, monkeypatch):
