@@ -147,6 +147,11 @@ def _unusable_input(path: str, kind: str) -> str | None:
     if os.path.isdir(path):
         if kind.startswith("checkpoint") and os.path.isfile(os.path.join(path, "meta.pt")):
             return None  # Lightning's distributed checkpoint (ModelParallelStrategy, FSDP): a directory
+        if kind.startswith("baseline") and any(os.path.isfile(os.path.join(path, f)) for f in ("meta.pt", ".metadata")):
+            return (
+                f"{path}: a checkpoint, not a NumericalBaseline file: `lightning-determinism report {path}` describes"
+                " the run a checkpoint holds"
+            )
         if kind in _OR_LOGS:
             if _holds_logs(path):
                 return None  # a logger's output directory (CSV, TensorBoard): its record is read by the subcommand

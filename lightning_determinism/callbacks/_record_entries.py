@@ -2,7 +2,8 @@
 
 The entries (flat ``determinism/...`` keys, see :mod:`~lightning_determinism.divergence.run_record`):
 
-- ``seed``, ``seed_source`` (``given``, ``seed_everything`` or ``drawn``: on rank 0, then broadcast), ``debug_mode``,
+- ``seed``, ``seed_source`` (``given``, ``seed_everything`` or ``drawn``: on rank 0, then broadcast),
+  ``seed_everything`` (its seed, where it ran: it seeds a model built before the strategy's own seed), ``debug_mode``,
   ``world_size``, ``strategy``, ``precision``;
 - ``mesh/<dimension>`` (a device mesh's sizes), ``topology/<axis>`` (the strategies' ``topology=`` degrees),
   ``invariant/global_batch_size``, ``invariant/micro_batch_size``, ``invariant/micro_batches_per_rank`` (B, m, K);
@@ -99,6 +100,16 @@ def _degrees(topology: Any) -> dict[str, int] | None:
     return None if topology is None else {str(axis): int(size) for axis, size in topology.degrees.items()}
 
 
+def _seed_everything(steps: Any, report: Mapping[str, Any]) -> int | None:
+    """The ``PL_GLOBAL_SEED`` in effect before the strategy exported its own (``None``: ``seed_everything`` not run)."""
+    saved = getattr(steps, "saved_env", None)
+    value = saved.get("PL_GLOBAL_SEED") if saved is not None and "PL_GLOBAL_SEED" in saved else report["pl_global_seed"]
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
 def build_record(
     strategy: Any, ranks: Sequence[Mapping[str, Any]], identity: Mapping[str, Any], precision: Any = None
 ) -> dict[str, Any]:
@@ -120,6 +131,9 @@ def build_record(
         "seed": seed,
         "seed_source": getattr(steps, "seed_source", None)
         or ("seed_everything" if report["pl_global_seed"] is not None else None),
+        # seed_everything's seed (LightningCLI's `seed_everything:`), which seeds what the model builds before the
+        # strategy runs, even where the strategy has a seed of its own: a difference there is named.
+        "seed_everything": _seed_everything(steps, report),
         "debug_mode": getattr(strategy, "debug_mode", None),
         "world_size": len(ranks),
         "strategy": type(strategy).__name__,

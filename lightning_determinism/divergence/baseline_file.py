@@ -34,6 +34,20 @@ class BaselineFileError(ValueError):
     """A baseline file is missing, unreadable or not a baseline: the message names the file and the problem."""
 
 
+_TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x04", b"\x80\x05")  # torch.save's zip; a legacy pickle
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A file ``torch.save`` wrote, or a distributed (DCP) checkpoint directory."""
+    if path.is_dir():
+        return (path / ".metadata").is_file() or (path / "meta.pt").is_file()
+    try:
+        with path.open("rb") as f:
+            return f.read(4).startswith(_TORCH_FILE_MAGIC)
+    except OSError:
+        return False
+
+
 def load_baseline(path: str | Path) -> dict[str, Any]:
     """Read and check a baseline file.
 
@@ -41,6 +55,11 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
         BaselineFileError: naming the file and what is wrong with it.
     """
     path = Path(path)
+    if _is_checkpoint(path):
+        raise BaselineFileError(
+            f"{path}: a checkpoint, not a NumericalBaseline file: `lightning-determinism report {path}` describes the"
+            " run a checkpoint holds"
+        )
     if path.is_dir():
         raise BaselineFileError(f"{path}: is a directory, not a baseline file")
     if not path.is_file():

@@ -94,6 +94,7 @@ def differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, tuple[A
 _TOPICS = (
     ("seed", "seed"),
     ("seed_source", "how the seed was chosen"),
+    ("seed_everything", "seed_everything's seed"),
     ("version/", "{} version"),
     ("debug_mode", "debug_mode"),
     ("backend/", "backend flag {}"),

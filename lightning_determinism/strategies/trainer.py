@@ -369,7 +369,15 @@ _REGISTRATIONS: tuple[tuple[str, type, dict[str, Any]], ...] = (
     ("ddp_notebook_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
     ("fsdp_deterministic", DeterministicFSDPStrategy, {}),
     ("single_device_deterministic", DeterministicSingleDeviceStrategy, {"device": "cpu"}),
-)
+    # Lightning's names for DDP with find_unused_parameters (its advice when a parameter gets no gradient), each with
+    # a deterministic twin: ddp_find_unused_parameters_true_deterministic, ddp_spawn_..._false_deterministic, ...
+    *(
+        (f"{launch}_find_unused_parameters_{str(flag).lower()}_deterministic", DeterministicDDPStrategy,
+         {"start_method": method, "find_unused_parameters": flag})
+        for launch, method in (("ddp", "popen"), ("ddp_spawn", "spawn"), ("ddp_fork", "fork"), ("ddp_notebook", "fork"))
+        for flag in (True, False)
+    ),
+)  # fmt: skip
 
 
 def register_strategies() -> list[str]:

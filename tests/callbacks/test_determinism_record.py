@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_determinism import DeterminismRecord, DeterministicSingleDeviceStrategy
-from lightning_determinism.divergence.run_record import CHECKPOINT_KEY
+from lightning_determinism.divergence.run_record import CHECKPOINT_KEY, differ_in, differences
 from tests.helpers.lightning_models import RecordingModule, quiet_trainer
 
 
@@ -44,6 +44,18 @@ def test_seed_everything_and_the_topology_are_said_the_users_keys_win_and_a_user
     assert (logged["determinism/topology/dp"], logged["determinism/topology/mp"]) == (1, 1)
     assert logged["determinism/seed"] == "the user's" and logged["lr"] == 0.5
     assert logged["determinism/fingerprint/final"] == checkpoint[CHECKPOINT_KEY]["fingerprint"]
+
+
+def test_seed_everythings_seed_is_recorded_beside_the_strategys_and_a_difference_is_named(tmp_path):
+    logged = {}
+    for name, seed in (("a", 3), ("b", 4)):  # LightningCLI's `seed_everything:`, the strategy's seed the same
+        L.seed_everything(seed, verbose=False)
+        _, logged[name], _ = fit(tmp_path / name, DeterministicSingleDeviceStrategy(device="cpu", seed=11))
+    assert (logged["a"]["determinism/seed"], logged["b"]["determinism/seed"]) == ("the user's", "the user's")
+    assert logged["a"]["determinism/seed_source"] == "given"
+    assert (logged["a"]["determinism/seed_everything"], logged["b"]["determinism/seed_everything"]) == (3, 4)
+    differing = [key for key in differences(logged["a"], logged["b"]) if not key.startswith("determinism/fingerprint")]
+    assert differ_in(differing) == ["seed_everything's seed"]
 
 
 def test_log_record_false_logs_none_of_it(tmp_path):

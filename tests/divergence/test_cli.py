@@ -239,6 +239,25 @@ def test_version_answers_without_importing_the_package(capsys):
     assert capsys.readouterr().out.strip() == f"lightning-determinism {lightning_determinism.__version__}"
 
 
+@pytest.mark.parametrize("kind", ["zip", "legacy", "distributed"])
+def test_compare_given_checkpoints_points_to_report(tmp_path, capsys, kind):
+    paths = []
+    for name in ("a.ckpt", "b.ckpt"):
+        path = tmp_path / name
+        if kind == "distributed":  # a DCP directory as Lightning's distributed save leaves it
+            path.mkdir()
+            (path / ".metadata").write_bytes(b"\x80\x04metadata")
+        else:
+            torch.save({"state_dict": {}, "global_step": 3}, path, _use_new_zipfile_serialization=kind == "zip")
+        paths.append(str(path))
+    assert entry.main(["compare", *paths]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "a checkpoint, not a NumericalBaseline file" in err[0]
+    assert f"lightning-determinism report {paths[0]}" in err[0]
+    assert "utf-8" not in err[0] and "Traceback" not in err[0]
+
+
 def test_compare_given_a_probe_file_points_to_diagnose(tmp_path, capsys):
     a, _ = _baselines(tmp_path)
     probe = tmp_path / "probe.json"

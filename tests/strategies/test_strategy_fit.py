@@ -9,7 +9,16 @@ from lightning.pytorch import seed_everything
 from torch.utils.data import DistributedSampler
 
 from lightning_determinism import DeterministicDDPStrategy
-from tests.helpers.lightning_models import IndexDataset, build_net, fit, read_records, reference_draws, state_digest
+from tests.helpers.lightning_models import (
+    IndexDataset,
+    RecordingModule,
+    build_net,
+    fit,
+    quiet_trainer,
+    read_records,
+    reference_draws,
+    state_digest,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -130,3 +139,28 @@ def test_spawn_path(spawn_fit):
     assert [r["train_count"] for r in records] == [16, 16]
     assert records[0]["train_ppl"] == records[1]["train_ppl"] and math.isfinite(records[0]["train_ppl"])
     assert records[0]["train_mean"] == records[1]["train_mean"]
+
+
+class _WithUnusedParameter(RecordingModule):
+    """A parameter no loss reaches: stock DDP refuses it unless told to look for unused parameters."""
+
+    def configure_model(self):
+        super().configure_model()
+        if not hasattr(self, "unused"):
+            self.unused = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("name", ["ddp_fork_find_unused_parameters_true_deterministic", "ddp_fork_deterministic"])
+def test_the_find_unused_parameters_names_have_deterministic_twins(tmp_path, name):
+    seed_everything(5, verbose=False)
+    trainer = quiet_trainer(name, 2, max_epochs=1, default_root_dir=str(tmp_path))
+    assert isinstance(trainer.strategy, DeterministicDDPStrategy)
+    if name == "ddp_fork_deterministic":  # the reference: without the flag, DDP refuses the unused parameter
+        with pytest.raises(Exception, match="find_unused_parameters"):
+            trainer.fit(_WithUnusedParameter(str(tmp_path)))
+        return
+    assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": True}
+    trainer.fit(_WithUnusedParameter(str(tmp_path)))
+    for rank, record in enumerate(read_records(tmp_path, 2)):
+        assert (record["base_seed"], record["local_seed"]) == (5, 5 + rank)
+        assert record["draws"] == reference_draws(5 + rank)
