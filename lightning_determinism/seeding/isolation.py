@@ -14,6 +14,11 @@ draws initial weights, Lightning #20204); the deterministic strategies install i
 
 A checkpoint written during evaluation (``ModelCheckpoint`` saves at the end of a validation pass) must hold the
 training streams, not evaluation's: :func:`training_rng_state` gives them.
+
+A standalone pass (``trainer.validate``, ``test``, ``predict``) repeated at the same epoch and step in one process —
+Monte-Carlo dropout collects samples so — is counted: call ``k`` draws from ``derive_seed(..., rank, "call", k)``
+(the first call keeps the keys above), so every call draws new numbers and call ``k`` draws the same ones in every
+run of the same script.
 """
 
 from __future__ import annotations
@@ -40,23 +45,28 @@ from lightning_determinism.seeding.seeds import _rank_and_world_size, current_se
 _SAVED: list[dict[str, Any]] = []  # the training states, outermost first, while evaluation streams are active
 _PASS: list[tuple[str, int, int]] = []  # (stage, epoch, step) of the evaluation pass under way
 _LOAD_PATCH: dict[str, Any] = {"count": 0, "original": None}  # LightningModule.load_from_checkpoint while wrapped
+_CALLS: dict[tuple[Any, ...], int] = {}  # the standalone passes (validate, test, predict) of this process, by key
 
 
-def evaluation_seed(base_seed: int, stage: str, epoch: int, step: int, rank: int) -> int:
-    """The seed of one evaluation pass's streams on one rank.
+def evaluation_seed(base_seed: int, stage: str, epoch: int, step: int, rank: int, call: int = 0) -> int:
+    """The seed of one evaluation pass's streams on one rank (``call``: the how-manieth such pass in the process).
 
     Examples:
         >>> evaluation_seed(42, "validate", 0, 10, 0) == evaluation_seed(42, "validate", 0, 10, 0)
         True
         >>> evaluation_seed(42, "validate", 0, 10, 0) == evaluation_seed(42, "validate", 0, 10, 1)
         False
+        >>> evaluation_seed(42, "predict", 0, 10, 0) == evaluation_seed(42, "predict", 0, 10, 0, call=1)
+        False
     """
-    return derive_seed(base_seed, "evaluation", stage, epoch, step, rank)
+    if call == 0:  # the first call's keys are the ones of releases before `call`: its numbers stay the same
+        return derive_seed(base_seed, "evaluation", stage, epoch, step, rank)
+    return derive_seed(base_seed, "evaluation", stage, epoch, step, rank, "call", call)
 
 
 @contextmanager
 def evaluation_streams(
-    stage: str, epoch: int, step: int, base_seed: int | None = None, rank: int | None = None
+    stage: str, epoch: int, step: int, base_seed: int | None = None, rank: int | None = None, call: int = 0
 ) -> Iterator[int]:
     """Run a block on evaluation's own streams, then give training back exactly the states it had.
 
@@ -66,6 +76,8 @@ def evaluation_streams(
         step: the optimizer step the pass belongs to (``global_step``).
         base_seed: the run's base seed; default: the one the package seeded this process with.
         rank: this process's rank; default: the process group's, else 0.
+        call: which pass of the same ``stage``, ``epoch`` and ``step`` this is in the process (0 for the first):
+            repeated ``trainer.predict`` calls (Monte-Carlo dropout) each draw their own numbers.
 
     Yields:
         The seed the evaluation streams were seeded with.
@@ -101,7 +113,7 @@ def evaluation_streams(
             )
     if rank is None:
         rank = _rank_and_world_size()[0]
-    seed = evaluation_seed(base_seed, stage, epoch, step, rank)
+    seed = evaluation_seed(base_seed, stage, epoch, step, rank, call)
     _SAVED.append(_save())
     _PASS.append((stage, int(epoch), int(step)))
     try:
@@ -222,7 +234,8 @@ class EvaluationIsolation:
             "predict": trainer.predict_loop,
         }
         for stage, loop in loops.items():
-            loop.run = self._isolated(loop.run, trainer, "validate" if stage == "validate_only" else stage)
+            standalone = stage != "validate"  # trainer.validate/test/predict: a call may repeat at one step
+            loop.run = self._isolated(loop.run, trainer, "validate" if stage == "validate_only" else stage, standalone)
             self._loops.append(loop)
         # A run resumed at the end of an epoch whose validation was due skips that pass by fast-forwarding the val
         # loop's counters, which sets up its loader and creates an iterator: a draw of the global generator (the
@@ -242,11 +255,16 @@ class EvaluationIsolation:
             self._unpatch_load()
         self._loops = []
 
-    def _isolated(self, run: Any, trainer: Any, stage: str) -> Any:
+    def _isolated(self, run: Any, trainer: Any, stage: str, standalone: bool = False) -> Any:
         @functools.wraps(run)
         def isolated_run(*args: Any, **kwargs: Any) -> Any:
             key = (_stage_of(trainer, stage), int(trainer.current_epoch), int(trainer.global_step))
-            with evaluation_streams(*key, base_seed=self._seeds.base_seed, rank=int(trainer.global_rank)):
+            base, rank = self._seeds.base_seed, int(trainer.global_rank)
+            call = 0
+            if standalone and not _SAVED:  # the k-th call of this pass in the process: its own, reproducible numbers
+                call = _CALLS.get((*key, base, rank), 0)
+                _CALLS[(*key, base, rank)] = call + 1
+            with evaluation_streams(*key, base_seed=base, rank=rank, call=call):
                 return run(*args, **kwargs)
 
         return isolated_run

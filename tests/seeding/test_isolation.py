@@ -280,3 +280,36 @@ def test_worker_augmentations_from_torch_distributions_differ_between_epochs():
     trainer = quiet_trainer(_ours(1), 1, max_epochs=2, callbacks=[WorkerSeedCallback()])
     trainer.fit(ours)
     assert ours.epochs[0] != ours.epochs[1] and len(set(ours.epochs[0] + ours.epochs[1])) == 16
+
+
+class MCDropout(L.LightningModule):
+    """Monte-Carlo dropout: dropout stays on in predict, so each sample is another mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.layer = nn.Linear(4, 4)
+        with torch.no_grad():  # fixed weights, whatever the process's generators hold
+            self.layer.weight.copy_(torch.randn(4, 4, generator=gen))
+            self.layer.bias.copy_(torch.randn(4, generator=gen))
+
+    def predict_step(self, batch, batch_idx):
+        return nn.functional.dropout(self.layer(batch[0]), 0.5, training=True)
+
+
+def _mc_samples(calls):
+    from lightning_determinism.seeding import isolation
+
+    isolation._CALLS.clear()  # a new process: nothing predicted yet
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(device="cpu", seed=5), 1)
+    loader = DataLoader(TensorDataset(torch.ones(3, 4)), batch_size=3)
+    model = MCDropout()
+    return [torch.cat(trainer.predict(model, loader)) for _ in range(calls)]
+
+
+def test_repeated_predict_calls_draw_new_masks_and_the_same_sequence_in_every_run():
+    first_run, second_run = _mc_samples(3), _mc_samples(3)
+    for k in range(3):
+        assert torch.equal(first_run[k], second_run[k])  # call k: the same numbers in every run
+    masks = [tuple((sample == 0).flatten().tolist()) for sample in first_run]
+    assert len(set(masks)) == 3  # each call its own mask (before: call 1 and 2 repeated call 0 exactly)
