@@ -13,7 +13,8 @@
 #
 # Environment: LDET_COMPAT_DIR (where the venvs and logs go; default a new temporary directory), PYTHON (the
 # interpreter that creates the venvs of the combinations; default python3), LDET_COMPAT_FAST_TESTS (the pytest
-# arguments of --python-ends; default below), PYTEST_ADDOPTS (passed on to pytest as usual).
+# arguments of --python-ends; default below), LDET_COMPAT_EXTRAS (the extras installed with the package; default
+# test), PYTEST_ADDOPTS (passed on to pytest as usual).
 # Exit status: 0 when every combination (every interpreter found) installed and passed, else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ combination() {
     # torch first, from the pins: an unpinned torch would pull a multi-GB CUDA build.
     if ! { "$python" -m venv "$venv" &&
         "$venv/bin/pip" install -q -c "$pins" torch &&
-        "$venv/bin/pip" install -q -c "$pins" -e ".[test]" &&
+        "$venv/bin/pip" install -q -c "$pins" -e ".[${LDET_COMPAT_EXTRAS:-test}]" &&
         "$venv/bin/python" -c "import torchmetrics.text, lightning_determinism"; } >"$log" 2>&1; then
         tail -n 20 "$log"
         echo "| $name | $("$python" -V 2>&1) | | | | | | install failed | $((SECONDS - start)) s | |" >>"$report"
