@@ -84,6 +84,7 @@ FABRIC = "the deterministic Fabric strategies"
 MODEL_PARALLEL = "the model-parallel strategies (FSDP2 + tensor parallel)"
 DTENSOR = "DTensor random ops and shard positions (tensor parallel)"
 INVARIANT_FSDP2 = "world-size-invariant FSDP2 (gradients reduced in a fixed tree)"
+UNEVEN_STRIDED = "uneven FSDP2 x tensor-parallel shards"
 RECOMPUTE = "replaying the package's streams in activation checkpointing"
 WORKERS = "data-loader worker seeding, replay and watchdog"
 PREEMPTION = "PreemptionCheckpoint and stopping inside an evaluation pass"
@@ -93,7 +94,7 @@ KERNEL = "the compiled perplexity kernel"
 METRICS = "the exact metrics (DistributedPerplexity, DistributedMean)"
 PLOTS = "the exact metrics' plot() types"
 
-NEWER_TORCH: dict[str, str] = {INVARIANT_FSDP2: "2.9"}
+NEWER_TORCH: dict[str, str] = {INVARIANT_FSDP2: "2.9", UNEVEN_STRIDED: "2.10"}
 """The features that need a torch newer than :data:`TORCH_FLOOR`: there they refuse, the rest of the package works."""
 
 FEATURES: dict[str, str] = {
@@ -102,6 +103,7 @@ FEATURES: dict[str, str] = {
     MODEL_PARALLEL: TESTED,
     DTENSOR: TESTED,
     INVARIANT_FSDP2: "torch 2.9 to 2.15 (FSDPModule.set_custom_reduce_scatter), lightning 2.5.0 to 2.6",
+    UNEVEN_STRIDED: "torch 2.10 to 2.15 (older ones gather such shards into wrong values), lightning 2.5.0 to 2.6",
     RECOMPUTE: TESTED,
     WORKERS: TESTED,
     PREEMPTION: TESTED,
@@ -423,6 +425,10 @@ PIECES: tuple[Piece, ...] = (
     Piece(INVARIANT_FSDP2, "torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter (public; torch 2.9 and newer)",
           "the invariant mode sums FSDP2's gradients over its own fixed tree; only a custom reduce-scatter lets it",
           _exists("torch.distributed.fsdp:FSDPModule.set_custom_reduce_scatter")),
+    Piece(UNEVEN_STRIDED, "torch>=2.10 for a _StridedShard whose dimension does not divide evenly",
+          "torch before 2.10 redistributes an FSDP2 x tensor-parallel parameter whose sharded dimension does not divide"
+          " by the shards (10 rows over 2 x 2) into wrong values: full_tensor(), and the norms and digests from it",
+          lambda: _release(torch.__version__)[:2] >= (2, 10)),
     # torchmetrics
     Piece(METRICS, "torchmetrics.Metric._wrap_update, ._defaults, ._apply(fn, exclude_state), ._plot",
           "exact metrics give their extra update methods torchmetrics' bookkeeping and lock their int64 states",
@@ -543,6 +549,7 @@ __all__ = [
     "TESTED",
     "TORCH_FLOOR",
     "TRAINER",
+    "UNEVEN_STRIDED",
     "WORKERS",
     "available",
     "check_compat",

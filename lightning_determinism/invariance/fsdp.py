@@ -22,7 +22,6 @@ tree.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,27 +117,4 @@ def install_tree_reduce_scatter(
     return len(modules)
 
 
-def average_over_gloo(module: torch.nn.Module) -> int:
-    """Make stock FSDP2 average its gradients over gloo on torch 2.8, where it silently sums them.
-
-    Up to torch 2.8 FSDP2 asks the reduce-scatter for ``ReduceOp.AVG``, which gloo's takes for a sum there: every
-    gradient of a ``fully_shard``-ed model comes back ``world_size`` times too large (2.000x on 2 ranks). Its modules
-    are told to reduce with sums and divide after (``set_force_sum_reduction_for_comms``, FSDP2's own path for backends
-    without an average). Nothing is done on torch 2.9 and newer, on other backends or without a process group.
-
-    Returns:
-        How many ``FSDPModule``s were told.
-    """
-    if _TORCH_RELEASE >= (2, 9) or not dist.is_available() or not dist.is_initialized():
-        return 0
-    if dist.get_backend() != "gloo":
-        return 0
-    modules = fsdp_modules(module)
-    for fsdp_module in modules:
-        fsdp_module.set_force_sum_reduction_for_comms(True)
-    return len(modules)
-
-
-_TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
-
-__all__ = ["TreeReduceScatter", "average_over_gloo", "fsdp_modules", "install_tree_reduce_scatter"]
+__all__ = ["TreeReduceScatter", "fsdp_modules", "install_tree_reduce_scatter"]

@@ -53,9 +53,9 @@ from lightning_determinism._compat.checks import FABRIC, MODEL_PARALLEL, require
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.worker_seeding import LoaderSeeding
-from lightning_determinism.invariance.fsdp import average_over_gloo
 from lightning_determinism.invariance.invariant import describe, keep_local_gradients
 from lightning_determinism.invariance.tree import PairwiseAllReduce
+from lightning_determinism.parallel.fsdp2_versions import average_over_gloo, refuse_uneven_strided_shards
 from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.strategies.arguments import check_keywords, check_mesh_sizes, invariant_training
@@ -193,6 +193,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def setup_module_and_optimizers(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         result = super().setup_module_and_optimizers(*args, **kwargs)  # type: ignore[misc]
         average_over_gloo(result[0])  # torch 2.8's FSDP2 sums over gloo
+        refuse_uneven_strided_shards(result[0])  # torch < 2.10 gathers them wrongly
         self._ldet_model_built()
         return result
 
@@ -200,6 +201,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
     def setup_module(self, module: torch.nn.Module) -> Any:  # type: ignore[misc]
         result = super().setup_module(module)  # type: ignore[misc]
         average_over_gloo(result)  # torch 2.8's FSDP2 sums over gloo
+        refuse_uneven_strided_shards(result)  # torch < 2.10 gathers them wrongly
         self._ldet_model_built()
         if self._ldet_invariant is not None:
             self._ldet_invariant.module_set_up(module, result)

@@ -37,9 +37,9 @@ from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
-from lightning_determinism.invariance.fsdp import average_over_gloo
 from lightning_determinism.invariance.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.invariance.tree import PairwiseAllReduce
+from lightning_determinism.parallel.fsdp2_versions import average_over_gloo, refuse_uneven_strided_shards
 from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.seeding.isolation import EvaluationIsolation
@@ -221,6 +221,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
             self._ldet_restore_clipping = clip_exactly(self.precision_plugin)  # type: ignore[attr-defined]
         if device_mesh_of(self) is not None:
             average_over_gloo(trainer.lightning_module)  # torch 2.8's FSDP2 sums over gloo
+            refuse_uneven_strided_shards(trainer.lightning_module)  # torch < 2.10 gathers them wrongly
         if self.invariant is not None and device_mesh_of(self) is not None:
             self._ldet_invariant_fsdp(trainer)
         self._ldet_steps.model_built(self.global_rank)  # type: ignore[attr-defined]

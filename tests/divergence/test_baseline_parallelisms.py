@@ -195,7 +195,7 @@ def _fsdp2_loop(rank, world_size, path, x, y):
     from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_determinism.invariance.fsdp import average_over_gloo
+    from lightning_determinism.parallel.fsdp2_versions import average_over_gloo
 
     model = _model()
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",)))

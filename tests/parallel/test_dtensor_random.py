@@ -165,3 +165,48 @@ def test_cuda_tracker_keeps_each_rank_seed(tmp_path):
         dtensor_random.uninstall()
         stock._rng_tracker = None
         dist.destroy_process_group()
+
+
+def _uneven(rank, world_size, out_dir):
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_determinism.errors import IncompatibleVersionError
+    from lightning_determinism.parallel import fsdp2_versions
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    block = _Block()  # up: 10 rows, column-parallel then FSDP2 on the same dimension: 10 over 2 x 2
+    parallelize_module(block, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(block, mesh=mesh["data_parallel"])
+    said = {"found": fsdp2_versions.uneven_strided_shards(block)}
+    for release in ((2, 9), (2, 10)):
+        fsdp2_versions.TORCH_RELEASE = release
+        try:
+            fsdp2_versions.refuse_uneven_strided_shards(block)
+            said[str(release)] = None
+        except IncompatibleVersionError as error:
+            said[str(release)] = str(error)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(said))
+
+
+def test_uneven_fsdp2_by_tensor_parallel_shards_are_refused_in_one_line_below_torch_2_10(tmp_path):
+    import json
+
+    from lightning_determinism._compat.checks import FEATURES, UNEVEN_STRIDED
+
+    run_distributed(_uneven, tmp_path, tmp_path, world_size=4)
+    for rank in range(4):
+        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert said["found"] == [
+            "up.weight: dimension 0 of 10 over 4 shards",
+            "up.bias: dimension 0 of 10 over 4 shards",
+        ]
+        assert said["(2, 10)"] is None  # torch 2.10 gathers them right: nothing to refuse
+        refusal = said["(2, 9)"]  # torch 2.9 (as the module is told): refused, in one line
+        assert refusal is not None and "\n" not in refusal and UNEVEN_STRIDED in refusal
+        assert (
+            "up.weight: dimension 0 of 10 over 4 shards (and 1 more)" in refusal and FEATURES[UNEVEN_STRIDED] in refusal
+        )
