@@ -302,6 +302,11 @@ PIECES: tuple[Piece, ...] = (
           "a rank stopping on purpose tears down as Lightning does; `_results.batch` tells a per-step collective",
           lambda: _exists(f"{_PL}:Trainer._teardown")() and _exists(f"{_PL}:Trainer._results")()
           and _assigns(f"{_PL}.trainer.connectors.logger_connector.result:_ResultCollection", "batch")()),
+    Piece(TRAINER, "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+          "._check_config_and_set_final_flags(strategy, ...)",
+          "wrapped to add the closest deterministic name to Lightning's refusal of a mistyped one (no public hook)",
+          _exists(f"{_PL}.trainer.connectors.accelerator_connector:_AcceleratorConnector"
+                  "._check_config_and_set_final_flags", "self", "strategy")),
     Piece(TRAINER, "lightning.pytorch.LightningModule._trainer",
           "the trainer, or None before it is attached (`.trainer` raises instead)",
           _assigns(f"{_PL}:LightningModule", "_trainer")),

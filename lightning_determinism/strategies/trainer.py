@@ -30,6 +30,7 @@ from lightning_determinism._compat.access import (
     ddp_comm_hook,
     device_mesh_of,
     module_trainer,
+    suggest_strategy_names,
     swap_launcher,
 )
 from lightning_determinism._compat.checks import TRAINER, require, set_sampler_epoch
@@ -399,6 +400,7 @@ def register_strategies() -> list[str]:
             override=True,
             **init_params,
         )
+    suggest_strategy_names(lambda: [name for name in StrategyRegistry.available_strategies() if "determin" in name])
     return [name for name, _, _ in _REGISTRATIONS]
 
 

@@ -327,3 +327,23 @@ def test_fabric_model_parallel_mesh_mistakes_are_refused_before_launch(kwargs, d
     with pytest.raises(ValueError, match=match):
         strategy = DeterministicFabricModelParallelStrategy(lambda module, mesh: module, seed=1, **kwargs)
         L.Fabric(accelerator="cpu", devices=devices, strategy=strategy)  # no rank launched: fabric.launch() not called
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("ddp_find_unused_parameters_true_determinstic", "ddp_find_unused_parameters_true_deterministic"),
+        ("DDP_SPAWN_DETERMINSTIC", "ddp_spawn_deterministic"),
+        ("fsdp_determinisitc", "fsdp_deterministic"),
+    ],
+)
+def test_a_mistyped_deterministic_name_is_refused_with_the_closest_one(typed, meant):
+    with pytest.raises(ValueError, match="invalid strategy name") as caught:
+        L.Trainer(strategy=typed, accelerator="cpu", logger=False)
+    assert str(caught.value).endswith(f"Did you mean {meant!r}?")
+
+
+def test_other_mistyped_names_keep_lightnings_message():
+    with pytest.raises(ValueError, match="invalid strategy name") as caught:
+        L.Trainer(strategy="dpp_spawn", accelerator="cpu", logger=False)
+    assert "Did you mean" not in str(caught.value)
