@@ -18,37 +18,26 @@ While a row's exponentials are computed, the next row is prefetched into the L2 
 core busy, the prefetch uses the memory bandwidth that would otherwise wait for the next row's max.
 
 The shared library is cached under :data:`CACHE_ENV` (default: ``<tempdir>/lightning_determinism-<user>``), keyed
-by the source, the compiler and its flags, and the CPU. On a machine shared by many users that name is predictable, so
-nothing found there is trusted as found: the directory is created private (0700), and before anything is built or
-loaded it must be a real directory (no link) owned by this user that no one else can write, and every library a
-regular file owned by this user that no one else can write. A directory that fails is never used: the process takes a
-new private one instead (``mkdtemp``) and says so once (a :class:`~lightning_determinism.errors.DeterminismWarning`); a
-library that fails is built again. No OpenMP: threads are started per call (pthreads) and
+by the source, the compiler and its flags, and the CPU; nothing found there is loaded unless this user alone can have
+written it (:mod:`~lightning_determinism.metrics._kernel_cache`). No OpenMP: threads are started per call (pthreads) and
 joined before it returns, so a forked process inherits no thread pool.
 """
 
 from __future__ import annotations
 
 import ctypes
-import getpass
 import hashlib
 import os
 import platform
 import shutil
-import stat
 import subprocess
-import tempfile
 import threading
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_determinism.errors import DeterminismWarning
-
-CACHE_ENV = "LDET_KERNEL_CACHE"
-"""Directory of the compiled kernel; default ``<tempdir>/lightning_determinism-<user>``."""
+from lightning_determinism.metrics._kernel_cache import CACHE_ENV, cache_dir, load_trusted, untrusted
 
 _HALF_CHUNK_BYTES = 2 * 2**20  # float16/bfloat16 logits are upcast (exactly) one chunk of rows at a time
 
@@ -201,75 +190,6 @@ def _flag_sets() -> list[list[str]]:
     return [base + native, base]  # without -march=native where the compiler refuses it (some ARM toolchains)
 
 
-def _default_cache_dir() -> str:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return explicit
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001  (no user name in some containers)
-        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
-    return os.path.join(tempfile.gettempdir(), f"lightning_determinism-{user}")
-
-
-def untrusted(path: str, directory: bool) -> str | None:
-    """Why ``path`` must not be loaded from (or built into), or ``None`` when only this user can have written it.
-
-    Trusted: a directory (``directory=True``) or a regular file, not a symbolic link, owned by this user, that neither
-    its group nor others can write. Where the platform has no owners (Windows) nothing is refused.
-    """
-    if not hasattr(os, "getuid"):
-        return None
-    try:
-        info = os.lstat(path)
-    except OSError as error:
-        return f"cannot be read ({error.strerror})"
-    kind = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
-    if not kind:
-        return "is a link or not a " + ("directory" if directory else "regular file")
-    if info.st_uid != os.getuid():
-        return f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
-
-
-_CACHE: dict[str, str] = {}  # the default directory -> the directory this process uses for it
-_CACHE_LOCK = threading.Lock()
-
-
-def cache_dir() -> str:
-    """The kernel cache this process uses: :data:`CACHE_ENV` or the default, created private (0700).
-
-    Where that one fails :func:`untrusted` (another user made it first, or may write it), a new private one, said once.
-    """
-    wanted = _default_cache_dir()
-    with _CACHE_LOCK:
-        used = _CACHE.get(wanted)
-        if used is not None and used != wanted:
-            return used  # the replacement made earlier in this process
-        try:
-            os.makedirs(wanted, mode=0o700, exist_ok=True)
-        except OSError:
-            pass  # untrusted() says why
-        why = untrusted(wanted, directory=True)
-        if why is None:
-            if hasattr(os, "chmod"):
-                os.chmod(wanted, 0o700)  # one an older release made 0755: readable by all, now private too
-            _CACHE[wanted] = wanted
-            return wanted
-        replacement = tempfile.mkdtemp(prefix="lightning_determinism-kernels-")  # 0700, ours
-        _CACHE[wanted] = replacement
-        warnings.warn(
-            f"the kernel cache {wanted} {why}: another user could put code there that this process would load;"
-            f" using {replacement} instead for this process (set {CACHE_ENV} to a private directory to keep compiled"
-            " kernels between runs)",
-            DeterminismWarning,
-            stacklevel=2,
-        )
-        return replacement
-
-
 def library_path(compiler: str, version: str, flags: list[str], source: str = SOURCE, stem: str = "row_stats") -> str:
     """Where the library built from ``source`` by ``compiler`` (its ``--version``) with ``flags`` is cached."""
     key = hashlib.sha256("\0".join([source, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
@@ -299,14 +219,6 @@ def _declare_row_stats(lib: ctypes.CDLL) -> None:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
 
 
-def _load(target: str) -> ctypes.CDLL:
-    """``ctypes.CDLL(target)``, once :func:`untrusted` finds nothing against the file (checked just before)."""
-    why = untrusted(target, directory=False)
-    if why is not None:
-        raise OSError(f"{target} {why}: not loaded")
-    return ctypes.CDLL(target)
-
-
 def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare_row_stats) -> ctypes.CDLL:
     """Compile (or find in the cache) and load a kernel: the perplexity's by default.
 
@@ -331,13 +243,13 @@ def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare
                 errors.append(error)
                 continue
         try:
-            lib = _load(target)
+            lib = load_trusted(target)
         except OSError:
             error = _compile(compiler, flags, target, source)
             if error is not None:
                 errors.append(error)
                 continue
-            lib = _load(target)
+            lib = load_trusted(target)
         declare(lib)
         return lib
     raise RuntimeError(f"{compiler} failed: {errors[-1] if errors else 'unknown error'}")

@@ -30,10 +30,10 @@ from lightning_determinism._compat.access import (
     ddp_comm_hook,
     device_mesh_of,
     module_trainer,
-    suggest_strategy_names,
     swap_launcher,
 )
 from lightning_determinism._compat.checks import TRAINER, require, set_sampler_epoch
+from lightning_determinism._compat.strategy_names import suggest_strategy_names
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable

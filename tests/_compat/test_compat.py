@@ -22,6 +22,7 @@ import lightning_determinism
 from lightning_determinism._compat import access as _access
 from lightning_determinism._compat import checks as _compat
 from lightning_determinism._compat import data as _compat_data
+from lightning_determinism._compat import pieces as _pieces
 from lightning_determinism._compat.checks import PIECES, check_compat
 from lightning_determinism.errors import IncompatibleVersionError
 from tests.helpers import CHILD_TIMEOUT_S, child_env, warm
@@ -33,7 +34,7 @@ FOREIGN = ("lightning", "pytorch_lightning", "torch", "torchmetrics")
 def _newer_than_installed(feature):
     """A feature :data:`NEWER_TORCH` says needs a torch newer than the installed one."""
     needed = _compat.NEWER_TORCH.get(feature)
-    return needed is not None and _compat._release(torch.__version__)[:2] < _compat._release(needed)[:2]
+    return needed is not None and _pieces._release(torch.__version__)[:2] < _pieces._release(needed)[:2]
 
 
 def test_every_piece_is_present_in_the_installed_versions():

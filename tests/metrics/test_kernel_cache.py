@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_determinism.errors import DeterminismWarning
-from lightning_determinism.metrics import _native
+from lightning_determinism.metrics import _kernel_cache, _native
 
 OTHER_UID = 65534
 needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
@@ -32,7 +32,7 @@ void ldet_row_stats(void) {}
 
 @pytest.fixture(autouse=True)
 def _fresh_cache_choice(monkeypatch):
-    monkeypatch.setattr(_native, "_CACHE", {})  # the directory a process chose is remembered: forget it per test
+    monkeypatch.setattr(_kernel_cache, "_CACHE", {})  # the directory a process chose is remembered: forget it per test
 
 
 def _plant(directory, marker, owner=OTHER_UID, mode=0o755):
