@@ -57,12 +57,12 @@ from lightning_determinism.strategies.model_parallel import (
     DeterministicModelParallelStrategy,
     register_model_parallel_strategy,
 )
+from lightning_determinism.strategies.registry import register_strategies
 from lightning_determinism.strategies.trainer import (
     DeterministicDDPStrategy,
     DeterministicFSDPStrategy,
     DeterministicSingleDeviceStrategy,
     DeterministicStrategyMixin,
-    register_strategies,
 )
 
 register_strategies()

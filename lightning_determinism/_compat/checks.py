@@ -20,27 +20,7 @@ import torch
 import torchmetrics
 
 from lightning_determinism.__about__ import __version__
-from lightning_determinism._compat.features import (
-    BASELINE,
-    DTENSOR,
-    FABRIC,
-    FEATURES,
-    INVARIANT,
-    INVARIANT_FSDP2,
-    KERNEL,
-    LIGHTNING_FLOOR,
-    METRICS,
-    MODEL_PARALLEL,
-    NEWER_TORCH,
-    PLOTS,
-    PREEMPTION,
-    RECOMPUTE,
-    TESTED,
-    TORCH_FLOOR,
-    TRAINER,
-    UNEVEN_STRIDED,
-    WORKERS,
-)
+from lightning_determinism._compat.features import FEATURES, LIGHTNING_FLOOR
 from lightning_determinism._compat.pieces import PIECES, Piece
 from lightning_determinism.errors import IncompatibleVersionError
 
@@ -54,9 +34,6 @@ class _Missing:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise IncompatibleVersionError(_missing_message(type(self).__qualname__))
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:  # the package's launchers subclass Lightning's
-        super().__init_subclass__(**kwargs)
 
 
 def _optional(path: str) -> Any:
@@ -112,6 +89,7 @@ def missing(feature: str | None = None) -> list[Piece]:
     """The pieces that are missing or changed in the installed versions (of one feature, or of all).
 
     Examples:
+        >>> from lightning_determinism._compat.features import METRICS, TRAINER
         >>> missing(TRAINER)  # the installed versions are fine
         []
     """
@@ -131,6 +109,7 @@ def require(feature: str) -> None:
             first missing piece.
 
     Examples:
+        >>> from lightning_determinism._compat.features import METRICS
         >>> require(METRICS)  # present: returns nothing
     """
     if feature in _REQUIRED:
@@ -172,33 +151,16 @@ def check_compat() -> None:
 
 __all__ = [
     "AX_TYPE",
-    "BASELINE",
     "BatchNorm",
-    "DTENSOR",
-    "FABRIC",
     "FEATURES",
     "FabricDataLoader",
     "FabricMultiProcessingLauncher",
-    "INVARIANT",
-    "INVARIANT_FSDP2",
-    "KERNEL",
     "LIGHTNING_FLOOR",
-    "METRICS",
-    "MODEL_PARALLEL",
-    "NEWER_TORCH",
     "MultiProcessingLauncher",
     "PIECES",
-    "PLOTS",
     "PLOT_OUT_TYPE",
-    "PREEMPTION",
     "Piece",
-    "RECOMPUTE",
     "SubprocessScriptLauncher",
-    "TESTED",
-    "TORCH_FLOOR",
-    "TRAINER",
-    "UNEVEN_STRIDED",
-    "WORKERS",
     "available",
     "check_compat",
     "mark_unbacked",

@@ -35,7 +35,8 @@ from lightning_determinism._compat.access import (
     should_accumulate,
     slurm_requeue,
 )
-from lightning_determinism._compat.checks import PREEMPTION, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import PREEMPTION
 from lightning_determinism.callbacks._evaluation_stop import EvaluationStop
 from lightning_determinism.errors import DeterminismWarning
 

@@ -19,7 +19,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_determinism._compat.checks import WORKERS, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import WORKERS
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.worker_seeding import LoaderSeeding
 from lightning_determinism.seeding.seeds import check_seed

@@ -53,7 +53,8 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_determinism._compat.checks import BASELINE, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import BASELINE
 from lightning_determinism.checkpoints.atomic import write_atomically
 from lightning_determinism.divergence.baseline_file import (
     DEFAULT_ATOL,

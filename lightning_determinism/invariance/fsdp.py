@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_determinism._compat.checks import INVARIANT_FSDP2, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import INVARIANT_FSDP2
 from lightning_determinism.invariance.tree import pair_groups
 
 

@@ -15,7 +15,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_determinism._compat.access import metric_defaults
-from lightning_determinism._compat.checks import METRICS, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import METRICS
 from lightning_determinism.exact import check_total, exact_mean, exact_sum, normalize, zero_limbs
 
 

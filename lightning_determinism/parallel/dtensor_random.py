@@ -41,7 +41,8 @@ from lightning_determinism._compat.access import (
     keep_dtensor_tracker_from_syncing,
     wrap_dtensor,
 )
-from lightning_determinism._compat.checks import DTENSOR, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import DTENSOR
 
 _aten = torch.ops.aten
 SAMPLERS = (

@@ -14,17 +14,18 @@ Layer: ``parallel``; imports the leaves (``_compat``) only.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_determinism._compat.access import is_strided_shard
-from lightning_determinism._compat.checks import FEATURES, UNEVEN_STRIDED, versions
+from lightning_determinism._compat.checks import versions
+from lightning_determinism._compat.features import FEATURES, UNEVEN_STRIDED
+from lightning_determinism._compat.pieces import _release
 from lightning_determinism.errors import IncompatibleVersionError
 
-TORCH_RELEASE = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+TORCH_RELEASE = _release(torch.__version__)[:2]
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list[Any]:

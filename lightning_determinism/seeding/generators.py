@@ -42,7 +42,8 @@ def generator(name: str, device: torch.device | str | None = None) -> torch.Gene
         >>> g is generator("noise"), g.device.type
         (True, 'cpu')
     """
-    recompute.refuse_recomputation(f"generator({name!r})")
+    if recompute._UNGUARDED[0]:  # torch lacks what the replay wraps: a recomputed draw is refused, not redrawn
+        recompute.refuse_recomputation(f"generator({name!r})")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     key = (name, str(dev))
     cached = _GENERATORS.get(key)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_determinism._compat import checkpointing
-from lightning_determinism._compat.checks import FEATURES, RECOMPUTE, available, missing, versions
+from lightning_determinism._compat.checks import available, missing, versions
+from lightning_determinism._compat.features import FEATURES, RECOMPUTE
 from lightning_determinism.errors import IncompatibleVersionError
 
 SnapshotFn = Callable[[], Any]

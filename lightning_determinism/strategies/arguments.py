@@ -12,7 +12,8 @@ import difflib
 import inspect
 from typing import Any
 
-from lightning_determinism._compat.checks import INVARIANT, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import INVARIANT
 from lightning_determinism.invariance.invariant import InvariantTraining
 from lightning_determinism.seeding.seeds import check_seed
 

@@ -49,7 +49,8 @@ from lightning_determinism._compat.access import (
     replace_backward_sync_control,
     saves_distributed_checkpoint,
 )
-from lightning_determinism._compat.checks import FABRIC, MODEL_PARALLEL, require
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import FABRIC, MODEL_PARALLEL
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.worker_seeding import LoaderSeeding

@@ -21,7 +21,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_determinism._compat.access import model_parallel_sizes, module_trainer, saves_distributed_checkpoint
-from lightning_determinism._compat.checks import MODEL_PARALLEL, MultiProcessingLauncher, require
+from lightning_determinism._compat.checks import MultiProcessingLauncher, require
+from lightning_determinism._compat.features import MODEL_PARALLEL
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.checkpoints.distributed import load_distributed_checkpoint
 from lightning_determinism.checkpoints.distributed_save import check_before_load, save_published

@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
@@ -32,8 +32,8 @@ from lightning_determinism._compat.access import (
     module_trainer,
     swap_launcher,
 )
-from lightning_determinism._compat.checks import TRAINER, require, set_sampler_epoch
-from lightning_determinism._compat.strategy_names import suggest_strategy_names
+from lightning_determinism._compat.checks import require, set_sampler_epoch
+from lightning_determinism._compat.features import TRAINER
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
@@ -364,50 +364,9 @@ class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDevice
     """
 
 
-_REGISTRATIONS: tuple[tuple[str, type, dict[str, Any]], ...] = (
-    ("ddp_deterministic", DeterministicDDPStrategy, {"start_method": "popen"}),
-    ("ddp_spawn_deterministic", DeterministicDDPStrategy, {"start_method": "spawn"}),
-    ("ddp_fork_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
-    ("ddp_notebook_deterministic", DeterministicDDPStrategy, {"start_method": "fork"}),
-    ("fsdp_deterministic", DeterministicFSDPStrategy, {}),
-    ("single_device_deterministic", DeterministicSingleDeviceStrategy, {"device": "cpu"}),
-    # Lightning's names for DDP with find_unused_parameters (its advice when a parameter gets no gradient), each with
-    # a deterministic twin: ddp_find_unused_parameters_true_deterministic, ddp_spawn_..._false_deterministic, ...
-    *(
-        (f"{launch}_find_unused_parameters_{str(flag).lower()}_deterministic", DeterministicDDPStrategy,
-         {"start_method": method, "find_unused_parameters": flag})
-        for launch, method in (("ddp", "popen"), ("ddp_spawn", "spawn"), ("ddp_fork", "fork"), ("ddp_notebook", "fork"))
-        for flag in (True, False)
-    ),
-)  # fmt: skip
-
-
-def register_strategies() -> list[str]:
-    """Register the deterministic strategies in Lightning's ``StrategyRegistry``; safe to call again.
-
-    Returns:
-        The registered names.
-
-    Examples:
-        >>> "ddp_deterministic" in register_strategies()
-        True
-    """
-    for name, cls, init_params in _REGISTRATIONS:
-        StrategyRegistry.register(
-            name,
-            cls,
-            description=f"{cls.__name__} {init_params or ''}".strip(),
-            override=True,
-            **init_params,
-        )
-    suggest_strategy_names(lambda: [name for name in StrategyRegistry.available_strategies() if "determin" in name])
-    return [name for name, _, _ in _REGISTRATIONS]
-
-
 __all__ = [
     "DeterministicDDPStrategy",
     "DeterministicFSDPStrategy",
     "DeterministicSingleDeviceStrategy",
     "DeterministicStrategyMixin",
-    "register_strategies",
 ]

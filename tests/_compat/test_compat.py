@@ -22,6 +22,7 @@ import lightning_determinism
 from lightning_determinism._compat import access as _access
 from lightning_determinism._compat import checks as _compat
 from lightning_determinism._compat import data as _compat_data
+from lightning_determinism._compat import features as _features
 from lightning_determinism._compat import pieces as _pieces
 from lightning_determinism._compat.checks import PIECES, check_compat
 from lightning_determinism.errors import IncompatibleVersionError
@@ -33,7 +34,7 @@ FOREIGN = ("lightning", "pytorch_lightning", "torch", "torchmetrics")
 
 def _newer_than_installed(feature):
     """A feature :data:`NEWER_TORCH` says needs a torch newer than the installed one."""
-    needed = _compat.NEWER_TORCH.get(feature)
+    needed = _features.NEWER_TORCH.get(feature)
     return needed is not None and _pieces._release(torch.__version__)[:2] < _pieces._release(needed)[:2]
 
 
@@ -45,7 +46,7 @@ def test_every_piece_is_present_in_the_installed_versions():
 
 
 def test_a_feature_that_needs_a_newer_torch_refuses_on_an_older_one_only():
-    for feature in _compat.NEWER_TORCH:
+    for feature in _features.NEWER_TORCH:
         assert _compat.available(feature) is not _newer_than_installed(feature), feature
 
 
@@ -183,9 +184,9 @@ def test_a_missing_name_leaves_the_import_and_other_features_and_refuses_its_fea
     assert said["callback"] == "ok" and said["plain"] == "ok" and said["recomputed"] == "ok"
     refusal = said["strategy"]
     assert refusal.startswith("refused ") and " | " not in refusal  # one line
-    assert _compat.TRAINER in refusal and "_update_dataloader" in refusal
+    assert _features.TRAINER in refusal and "_update_dataloader" in refusal
     assert f"torch {torch.__version__}" in refusal and f"lightning {lightning.__version__}" in refusal
-    assert _compat.FEATURES[_compat.TRAINER] in refusal  # where it works
+    assert _compat.FEATURES[_features.TRAINER] in refusal  # where it works
 
 
 def test_without_the_replay_a_recomputed_draw_from_a_package_stream_is_refused(tmp_path):
@@ -193,7 +194,7 @@ def test_without_the_replay_a_recomputed_draw_from_a_package_stream_is_refused(t
     assert said["core"] == "5 True" and said["strategy"] == "ok" and said["plain"] == "ok"
     refusal = said["recomputed"]
     assert refusal.startswith("refused ") and " | " not in refusal
-    assert "'ldet-test'" in refusal and _compat.RECOMPUTE in refusal and f"torch {torch.__version__}" in refusal
+    assert "'ldet-test'" in refusal and _features.RECOMPUTE in refusal and f"torch {torch.__version__}" in refusal
 
 
 def test_the_same_child_with_nothing_missing_replays_instead(tmp_path):
@@ -205,10 +206,10 @@ def test_require_refuses_only_the_feature_whose_piece_is_gone(monkeypatch):
     monkeypatch.setattr(_compat, "_REQUIRED", set())
     monkeypatch.delattr(importlib.import_module("torch"), "_foreach_norm")
     with pytest.raises(IncompatibleVersionError, match="numerical baselines") as caught:
-        _compat.require(_compat.BASELINE)
+        _compat.require(_features.BASELINE)
     assert "\n" not in str(caught.value) and "torch._foreach_norm" in str(caught.value)
-    assert not _compat.available(_compat.BASELINE)
-    for feature in set(_compat.FEATURES) - {_compat.BASELINE}:
+    assert not _compat.available(_features.BASELINE)
+    for feature in set(_compat.FEATURES) - {_features.BASELINE}:
         assert _compat.available(feature) is not _newer_than_installed(feature), feature
     with pytest.raises(ValueError, match="`feature` must be one of"):
         _compat.missing("no such feature")

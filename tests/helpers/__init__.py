@@ -27,20 +27,12 @@ def requires_cuda(test: Callable[..., Any]) -> Callable[..., Any]:
 
 def requires_feature(feature: str) -> pytest.MarkDecorator:
     """Skip where the installed torch lacks what ``feature`` needs (``_compat.checks.NEWER_TORCH``), with the reason."""
-    from lightning_determinism._compat.checks import FEATURES, available
+    from lightning_determinism._compat.checks import available
+    from lightning_determinism._compat.features import FEATURES
 
     return pytest.mark.skipif(
         not available(feature), reason=f"{feature} needs {FEATURES[feature]}; torch {torch.__version__} here"
     )
-
-
-TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-# torch before 2.10 redistributes a parameter sharded unevenly by FSDP2 over tensor parallel (a _StridedShard of 10
-# rows over 2 x 2) into wrong values (full_tensor(), and the norms DTensor computes from it); fixed in torch 2.10.
-requires_even_strided_fix = pytest.mark.skipif(
-    TORCH_RELEASE < (2, 10), reason="torch < 2.10 gathers uneven FSDP2 x tensor-parallel shards wrongly (its bug)"
-)
 
 
 def require_compiled_kernel() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_determinism import DeterministicFabricDDPStrategy, DeterministicModelParallelStrategy, fingerprint
-from lightning_determinism._compat.checks import INVARIANT_FSDP2
+from lightning_determinism._compat.features import INVARIANT_FSDP2
 from lightning_determinism.invariance.clipping import exact_grad_norm
 from tests.helpers import requires_feature, run_distributed
 

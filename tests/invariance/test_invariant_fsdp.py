@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_determinism import DeterministicModelParallelStrategy, fingerprint
-from lightning_determinism._compat.checks import INVARIANT_FSDP2
+from lightning_determinism._compat.features import INVARIANT_FSDP2
 from tests.helpers import requires_feature
 
 pytestmark = [pytest.mark.distributed, requires_feature(INVARIANT_FSDP2)]

@@ -16,7 +16,7 @@ from lightning_determinism import (
 )
 from lightning_determinism.strategies.fabric import DeterministicFabricDDPStrategy
 from lightning_determinism.strategies.model_parallel import register_model_parallel_strategy
-from lightning_determinism.strategies.trainer import register_strategies
+from lightning_determinism.strategies.registry import register_strategies
 from tests.helpers import requires_cuda
 from tests.helpers.lightning_models import fit, read_records, reference_draws
 
