@@ -11,7 +11,8 @@
 # the newest pins (requirements/newest.txt): the whole suite runs on one Python only, it takes minutes per run. An
 # interpreter that is not found is skipped with a message, and does not fail the run.
 #
-# Environment: LDET_COMPAT_DIR (where the venvs and logs go; default a new temporary directory), PYTHON (the
+# Environment: LDET_COMPAT_DIR (where the venvs and logs go, kept; default a new temporary directory, whose venvs are
+# removed after their tests: LDET_COMPAT_KEEP=1 keeps them), PYTHON (the
 # interpreter that creates the venvs of the combinations; default python3), LDET_COMPAT_FAST_TESTS (the pytest
 # arguments of --python-ends; default below), LDET_COMPAT_EXTRAS (the extras installed with the package; default
 # test), PYTEST_ADDOPTS (passed on to pytest as usual).
@@ -28,6 +29,9 @@ fast_tests="${LDET_COMPAT_FAST_TESTS:-tests/seeding/test_seeding.py tests/seedin
     tests/strategies/test_strategies.py tests/strategies/test_strategy_fit.py}"
 
 root="${LDET_COMPAT_DIR:-$(mktemp -d)}"
+# A CUDA build of torch makes a venv of 5.5-7 GB: in a directory of its own making the script removes each venv once
+# its tests ran (the logs stay); under LDET_COMPAT_DIR it keeps them (LDET_COMPAT_KEEP=0 removes them there too).
+keep="${LDET_COMPAT_KEEP:-$([[ -n "${LDET_COMPAT_DIR:-}" ]] && echo 1 || echo 0)}"
 mkdir -p "$root"
 report="$root/report.md"
 {
@@ -53,6 +57,7 @@ combination() {
         tail -n 20 "$log"
         echo "| $name | $("$python" -V 2>&1) | | | | | | install failed | $((SECONDS - start)) s | |" >>"$report"
         status=1
+        [[ "$keep" == 1 ]] || rm -rf "$venv"
         return
     fi
     installed=$((SECONDS - start))
@@ -69,6 +74,7 @@ combination() {
         "| $(version "$venv" lightning) | $(version "$venv" torchmetrics) | $(version "$venv" torch)" \
         "| $(version "$venv" numpy) | $(version "$venv" typing_extensions) | $summary | $installed s" \
         "| $((SECONDS - start)) s |" >>"$report"
+    [[ "$keep" == 1 ]] || rm -rf "$venv"
 }
 
 # The oldest and newest X.Y of pyproject.toml's Python classifiers, one a line.
