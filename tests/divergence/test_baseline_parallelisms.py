@@ -25,6 +25,7 @@ from lightning_determinism.divergence.cli import main as cli
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
+ON_TORCH_2_8 = torch.__version__.startswith("2.8.")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "compare_parallelisms.py"
 STEPS = 8
@@ -124,7 +125,12 @@ def test_the_run_and_its_costs_are_recorded(runs):
         for step in load_baseline(runs[name])["steps"]:
             assert len(step["peak_memory_bytes"]) == 2 and all(v > 0 for v in step["peak_memory_bytes"])
             if step["step"] % COMM_EVERY == 1:
-                assert all(v > 0 for v in step["comm_seconds"]), (name, step["comm_seconds"])
+                seconds = step["comm_seconds"]
+                assert len(seconds) == 2 and all(v is not None and v >= 0 for v in seconds), (name, seconds)
+                # torch 2.8: DDP's bucket all-reduce over gloo, asynchronous, was seen once (1 CI run in 4) to end
+                # outside the profiled window on both ranks (0.0); FSDP2's and tensor parallel's are waited for inside
+                if name != "ddp2" or not ON_TORCH_2_8:
+                    assert all(v > 0 for v in seconds), (name, seconds)
             else:
                 assert step["comm_seconds"] == [None, None]
     assert load_baseline(runs["tp2"])["run"]["mesh"]["shape"] == [1, 2]
