@@ -239,6 +239,27 @@ PIECES: tuple[Piece, ...] = (
           and _assigns(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop", "batch_progress")()
           and {"ready", "started", "processed", "completed"}
           <= set(getattr(_lookup(f"{_PL}.loops.progress:_ProcessedTracker"), "__dataclass_fields__", {}))),
+    Piece(TRAINER, "lightning.pytorch.loops: _FitLoop._restart_stage, .on_run_start, .on_advance_start,"
+          " .on_advance_end, ._data_fetcher, ._restarting; _TrainingEpochLoop._restart_stage,"
+          " .on_advance_end(data_fetcher), .update_lr_schedulers(interval, update_plateau_schedulers),"
+          " ._num_ready_batches_reached, ._batches_that_stepped, ._results (.result_metrics, .meta); _EvaluationLoop"
+          ".increment_progress_to_evaluation_end; LightningModule._current_fx_name; _LoggerConnector._callback_metrics",
+          "a resumed fit replays what Lightning's restart skips (epoch-start hooks, a fast-forwarded validation, the"
+          " epoch-end hooks, a plateau step) with the uninterrupted run's counters; no public hook or view exists",
+          lambda: all(_exists(f"{_PL}.loops.fit_loop:_FitLoop.{name}")() for name in (
+              "on_run_start", "on_advance_start", "on_advance_end", "reset_restart_stage"))
+          and _assigns(f"{_PL}.loops.fit_loop:_FitLoop", "_restart_stage", "_data_fetcher", "_restarting")()
+          and _exists(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop.on_advance_end", "self", "data_fetcher")()
+          and _exists(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop.update_lr_schedulers", "self", "interval",
+                      "update_plateau_schedulers")()
+          and _exists(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop._num_ready_batches_reached")()
+          and _assigns(f"{_PL}.loops.training_epoch_loop:_TrainingEpochLoop", "_restart_stage",
+                       "_batches_that_stepped", "_results")()
+          and _exists(f"{_PL}.loops.evaluation_loop:_EvaluationLoop.increment_progress_to_evaluation_end")()
+          and _exists(f"{_PL}.trainer.connectors.logger_connector.result:_ResultCollection.result_metrics")()
+          and _assigns(f"{_PL}.trainer.connectors.logger_connector.logger_connector:_LoggerConnector",
+                       "_callback_metrics")()
+          and _assigns(f"{_PL}:LightningModule", "_current_fx_name")()),
     Piece(TRAINER, "lightning DDPStrategy._ddp_comm_hook",
           "a user's DDP communication hook replaces the strategy's layout-independent reduction on > 2 processes",
           _assigns(f"{_PL}.strategies.ddp:DDPStrategy", "_ddp_comm_hook")),

@@ -185,11 +185,12 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
                 )
 
     def _add_callbacks(self) -> None:
-        """Put an RNGStateCheckpoint (and, with ``log_record``, a DeterminismRecord) among the trainer's callbacks.
+        """Put an RNGStateCheckpoint, a ResumeReplay (and, with ``log_record``, a DeterminismRecord) in the callbacks.
 
         A callback of the same class the user gave is kept instead (after the RNG state's restore: the record's
         digests are those of the restored streams).
         """
+        from lightning_determinism.callbacks._resume_replay import ResumeReplay
         from lightning_determinism.callbacks.determinism_record import DeterminismRecord
         from lightning_determinism.callbacks.preemption import preemption_needed
         from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
@@ -197,7 +198,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         trainer = module_trainer(getattr(self, "lightning_module", None))
         if trainer is None:
             return
-        wanted = (RNGStateCheckpoint, DeterminismRecord) if self.log_record else (RNGStateCheckpoint,)
+        wanted: tuple[type, ...] = (RNGStateCheckpoint, DeterminismRecord) if self.log_record else (RNGStateCheckpoint,)
+        wanted += (ResumeReplay,)  # what Lightning's restart of a resumed fit skips, replayed
         for cls in wanted:
             if not any(isinstance(cb, cls) for cb in trainer.callbacks):
                 trainer.callbacks.append(cls())
