@@ -57,6 +57,7 @@ SubprocessScriptLauncher = _optional(
 )
 update_dataloader = _optional("lightning.pytorch.utilities.data:_update_dataloader")
 mark_unbacked = _optional("torch._dynamo.decorators:mark_unbacked")
+maybe_mark_dynamic = _optional("torch._dynamo.decorators:maybe_mark_dynamic")
 BatchNorm = _optional("torch.nn.modules.batchnorm:_BatchNorm")
 worker_module: Any = importlib.import_module("torch.utils.data._utils.worker")  # public module, private names inside
 AX_TYPE: Any = _optional("torchmetrics.utilities.plot:_AX_TYPE")
@@ -164,6 +165,7 @@ __all__ = [
     "available",
     "check_compat",
     "mark_unbacked",
+    "maybe_mark_dynamic",
     "missing",
     "require",
     "set_sampler_epoch",

@@ -30,6 +30,8 @@ import hashlib
 import os
 import platform
 import shutil
+import string
+import struct
 import subprocess
 import threading
 from typing import Any
@@ -37,42 +39,45 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_determinism.metrics import _portable
 from lightning_determinism.metrics._kernel_cache import CACHE_ENV, cache_dir, load_trusted, untrusted
 
 _HALF_CHUNK_BYTES = 2 * 2**20  # float16/bfloat16 logits are upcast (exactly) one chunk of rows at a time
 
-SOURCE = r"""
+_C_TEMPLATE = r"""
+#include <float.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
-#define FLOOR (-87.0f) /* exp() below it is subnormal: slow, and < 2e-38 of a row's sum */
+#if FLT_EVAL_METHOD != 0
+#error "float arithmetic in wider registers (x87): the bits would differ from the other paths"
+#endif
 
-/* exp(d) for d in [FLOOR, 0]: 2**k * exp(rh + rl). */
-static inline float exp_le0(float d) {
-    float k = __builtin_rintf(d * 1.44269504088896341f);
-    float r1 = __builtin_fmaf(-k, 0.693359375f, d);          /* exact: ln2's first 9 bits times k <= 126 */
-    float rh = __builtin_fmaf(-k, -2.12194440e-4f, r1);      /* the rest of ln2, rounded ... */
-    float rl = __builtin_fmaf(-k, -2.12194440e-4f, r1 - rh); /* ... and what that rounding dropped */
-    float p = 2.470828258083202e-05f;
-    p = __builtin_fmaf(p, rh, 0.00019908939430024475f);
-    p = __builtin_fmaf(p, rh, 0.001388919772580266f);
-    p = __builtin_fmaf(p, rh, 0.008333281613886356f);
-    p = __builtin_fmaf(p, rh, 0.0416666641831398f);
-    p = __builtin_fmaf(p, rh, 0.1666666716337204f);
-    p = __builtin_fmaf(p, rh, 0.5f);
-    float q = __builtin_fmaf(p, rh * rh, rl);
-    float e = (rh + q) + 1.0f; /* in [0.70, 1.42]; times 2**k stays normal for d >= FLOOR */
+#define LANES 16
+#define FLUSH 1024 /* blocks of 16 summed per lane before the lanes go into the row's 128-bit total */
+#define FLOOR ($FLOOR)
+
+/* exp(d) * 2**52 rounded, for d in [FLOOR, 0]: _portable._exp_fixed, operation for operation (no FMA). */
+static inline int64_t exp_fixed(float d) {
+    float k = __builtin_rintf(d * $INV_LN2);
+    float r_hi = d - k * $LN2_HI;
+    float s = k * $LN2_LO;
+    float rh = r_hi - s;
+    float rl = (r_hi - rh) - s;
+    float p = $P0;
+$HORNER
+    float q = p * (rh * rh) + rl;
+    float e = (rh + q) + 1.0f;
     int32_t bits;
     memcpy(&bits, &e, 4);
-    bits += (int32_t)k << 23;
+    bits += ((int32_t)k + $SCALE_BITS) << 23;
     memcpy(&e, &bits, 4);
-    return e;
+    return (int64_t)(e + 0.5f); /* truncated after + 0.5, as torch's conversion: rounded, and it vectorises */
 }
 
 static void one_row(const float *x, int64_t v, int64_t target, const float *next, int64_t next_bytes,
-                    float *top, double *sum, float *picked) {
+                    float *top, int64_t *sum_hi, int64_t *sum_lo, float *picked) {
     float m = x[0];
     int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)
@@ -83,14 +88,16 @@ static void one_row(const float *x, int64_t v, int64_t target, const float *next
     *top = m;
     *picked = x[target];
     if (nan || m - m != 0.0f) { /* NaN, or an infinite max (+inf present, or every logit -inf) */
-        *sum = __builtin_nan("");
+        *sum_hi = $NAN_MARK;
+        *sum_lo = 0;
         return;
     }
-    double lanes[LANES];
-    for (int l = 0; l < LANES; l++) lanes[l] = 0.0;
+    uint64_t lanes[LANES];
+    unsigned __int128 total = 0;
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
     const char *ahead = (const char *)next;
     const char *ahead_end = ahead + next_bytes;
-    int64_t j0 = 0;
+    int64_t j0 = 0, blocks = 0;
     for (; j0 + LANES <= v; j0 += LANES) {
         if (ahead < ahead_end) { /* one cache line of the next row per 16 logits of this one */
             __builtin_prefetch(ahead, 0, 2);
@@ -99,16 +106,23 @@ static void one_row(const float *x, int64_t v, int64_t target, const float *next
 #pragma omp simd
         for (int l = 0; l < LANES; l++) {
             float d = x[j0 + l] - m;
-            lanes[l] += (double)exp_le0(d < FLOOR ? FLOOR : d);
+            lanes[l] += (uint64_t)exp_fixed(d > FLOOR ? d : FLOOR); /* one vmaxps */
+        }
+        if (++blocks == FLUSH) { /* each lane holds <= 1024 * 2**52: far from 2**64 */
+            for (int l = 0; l < LANES; l++) {
+                total += lanes[l];
+                lanes[l] = 0;
+            }
+            blocks = 0;
         }
     }
-    double total = 0.0;
     for (; j0 < v; j0++) {
         float d = x[j0] - m;
-        total += (double)exp_le0(d < FLOOR ? FLOOR : d);
+        total += (uint64_t)exp_fixed(d > FLOOR ? d : FLOOR);
     }
     for (int l = 0; l < LANES; l++) total += lanes[l];
-    *sum = total;
+    *sum_hi = (int64_t)(total >> 32);
+    *sum_lo = (int64_t)(total & 0xffffffffu);
 }
 
 typedef struct {
@@ -117,7 +131,7 @@ typedef struct {
     int64_t n, v;
     int64_t *next_block; /* shared: the first row no thread has claimed yet */
     float *top;
-    double *sums;
+    int64_t *sum_hi, *sum_lo;
     float *picked;
 } job_t;
 
@@ -138,7 +152,8 @@ static void *run(void *arg) {
                 next = following < job->n ? job->logits + following * job->v : x;
                 next_bytes = following < job->n ? next_bytes : 0;
             }
-            one_row(x, job->v, job->ids[i], next, next_bytes, job->top + i, job->sums + i, job->picked + i);
+            one_row(x, job->v, job->ids[i], next, next_bytes, job->top + i, job->sum_hi + i, job->sum_lo + i,
+                    job->picked + i);
         }
         begin = following;
     }
@@ -148,12 +163,12 @@ static void *run(void *arg) {
 #ifdef __cplusplus
 extern "C"
 #endif
-void ldet_row_stats(const float *logits, const int64_t *ids, int64_t n, int64_t v, int threads, float *top,
-                    double *sums, float *picked) {
+void ldet_row_sums(const float *logits, const int64_t *ids, int64_t n, int64_t v, int threads, float *top,
+                   int64_t *sum_hi, int64_t *sum_lo, float *picked) {
     pthread_t tids[64];
     int started[64];
     int64_t next_block = 0;
-    job_t job = {logits, ids, n, v, &next_block, top, sums, picked};
+    job_t job = {logits, ids, n, v, &next_block, top, sum_hi, sum_lo, picked};
     if (threads > 64) threads = 64;
     if (threads > (n + BLOCK - 1) / BLOCK) threads = (int)((n + BLOCK - 1) / BLOCK);
     if (threads < 1) threads = 1;
@@ -163,6 +178,31 @@ void ldet_row_stats(const float *logits, const int64_t *ids, int64_t n, int64_t 
         if (started[t]) pthread_join(tids[t], 0);
 }
 """
+
+
+def _c_float(value: float) -> str:
+    """A float32 constant as an exact C literal (hexadecimal: no decimal rounding on the way)."""
+    if struct.unpack("f", struct.pack("f", value))[0] != value:
+        raise ValueError(f"{value!r} is not a float32 value")
+    return f"{value.hex()}f"
+
+
+def _source() -> str:
+    horner = "\n".join(f"    p = p * rh + {_c_float(c)};" for c in _portable.POLY[1:])
+    values = {
+        "FLOOR": _c_float(_portable.FLOOR),
+        "INV_LN2": _c_float(_portable.INV_LN2_F),
+        "LN2_HI": _c_float(_portable.LN2_HI),
+        "LN2_LO": _c_float(_portable.LN2_LO),
+        "P0": _c_float(_portable.POLY[0]),
+        "HORNER": horner,
+        "SCALE_BITS": str(_portable.SCALE_BITS),
+        "NAN_MARK": str(_portable.NAN_MARK),
+    }
+    return string.Template(_C_TEMPLATE).substitute(values)
+
+
+SOURCE = _source()
 
 
 def find_compiler() -> str | None:
@@ -190,7 +230,7 @@ def _flag_sets() -> list[list[str]]:
     return [base + native, base]  # without -march=native where the compiler refuses it (some ARM toolchains)
 
 
-def library_path(compiler: str, version: str, flags: list[str], source: str = SOURCE, stem: str = "row_stats") -> str:
+def library_path(compiler: str, version: str, flags: list[str], source: str = SOURCE, stem: str = "row_sums") -> str:
     """Where the library built from ``source`` by ``compiler`` (its ``--version``) with ``flags`` is cached."""
     key = hashlib.sha256("\0".join([source, compiler, version, *flags, _cpu_identity()]).encode()).hexdigest()
     return os.path.join(cache_dir(), f"{stem}_{key[:24]}.so")
@@ -213,13 +253,13 @@ def _compile(compiler: str, flags: list[str], target: str, code: str = SOURCE) -
     return None
 
 
-def _declare_row_stats(lib: ctypes.CDLL) -> None:
-    lib.ldet_row_stats.restype = None
-    lib.ldet_row_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+def _declare_row_sums(lib: ctypes.CDLL) -> None:
+    lib.ldet_row_sums.restype = None
+    lib.ldet_row_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
 
 
-def build(source: str = SOURCE, stem: str = "row_stats", declare: Any = _declare_row_stats) -> ctypes.CDLL:
+def build(source: str = SOURCE, stem: str = "row_sums", declare: Any = _declare_row_sums) -> ctypes.CDLL:
     """Compile (or find in the cache) and load a kernel: the perplexity's by default.
 
     Another kernel passes its ``source``, a file ``stem`` and ``declare``, which sets its functions' argument types.
@@ -283,10 +323,13 @@ class NativeKernel(LazyLibrary):
     """:data:`SOURCE` built on first use; ``None`` from every call once building has failed in this process."""
 
     def __init__(self) -> None:
-        super().__init__(SOURCE, "row_stats", _declare_row_stats)
+        super().__init__(SOURCE, "row_sums", _declare_row_sums)
 
-    def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """Row max, float64 sum of ``exp(x - max)`` and target logit of CPU ``logits`` ``[N, V]`` (not float64)."""
+    def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """Row max, the row sum's two int64 pieces (:func:`._portable.row_sums`) and the target's logit.
+
+        ``logits`` is a CPU ``[N, V]`` tensor of float32, float16 or bfloat16 (half types are upcast exactly).
+        """
         if not self.available():
             return None
         n, vocab = logits.shape
@@ -296,12 +339,13 @@ class NativeKernel(LazyLibrary):
         if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # C reads what it is told to: check first
             raise ValueError(f"`ids` must lie in [0, {vocab}), got values in [{int(ids.min())}, {int(ids.max())}]")
         top = torch.empty(n, dtype=torch.float32)
-        sums = torch.empty(n, dtype=torch.float64)
+        sum_hi = torch.empty(n, dtype=torch.int64)
+        sum_lo = torch.empty(n, dtype=torch.int64)
         picked = torch.empty(n, dtype=torch.float32)
+        outs = (top, sum_hi, sum_lo, picked)
         threads = torch.get_num_threads()
         if logits.dtype == torch.float32:
-            x = logits.contiguous()
-            self._rows(x, ids, 0, n, vocab, threads, top, sums, picked)
+            self._rows(logits.contiguous(), ids, 0, n, vocab, threads, outs)
         else:  # float16 / bfloat16: upcast exactly, a chunk of rows at a time
             rows = max(1, _HALF_CHUNK_BYTES // (4 * vocab))
             buffer = torch.empty((min(rows, n), vocab), dtype=torch.float32)
@@ -309,14 +353,12 @@ class NativeKernel(LazyLibrary):
                 chunk = logits[start : start + rows]
                 view = buffer[: chunk.shape[0]]
                 view.copy_(chunk)
-                self._rows(view, ids[start:], start, chunk.shape[0], vocab, threads, top, sums, picked)
-        return top, sums, picked
+                self._rows(view, ids[start:], start, chunk.shape[0], vocab, threads, outs)
+        return outs
 
-    def _rows(self, x: Tensor, ids: Tensor, start: int, n: int, vocab: int, threads: int, *outs: Tensor) -> None:
-        top, sums, picked = (out[start:] for out in outs)
-        self.lib.ldet_row_stats(
-            x.data_ptr(), ids.data_ptr(), n, vocab, threads, top.data_ptr(), sums.data_ptr(), picked.data_ptr()
-        )
+    def _rows(self, x: Tensor, ids: Tensor, start: int, n: int, vocab: int, threads: int, outs: tuple) -> None:
+        pointers = [out[start:].data_ptr() for out in outs]
+        self.lib.ldet_row_sums(x.data_ptr(), ids.data_ptr(), n, vocab, threads, *pointers)
 
 
 __all__ = [

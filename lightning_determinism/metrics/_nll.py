@@ -1,26 +1,18 @@
-"""Per-token negative log-likelihood whose value for one row never depends on the other rows of the batch.
+"""Per-token negative log-likelihood with the same bits for a row whatever else is computed, and wherever.
 
-``nll = (max - x_target) + log(sum(exp(x - max)))`` per row of logits ``[N, V]``: the difference is taken in
-float64, the exponentials in float32 (in float64 on the eager path on CPU, and on CUDA below 4096 classes) and each
-row's sum of them is accumulated in float64.
+``nll = (max - x_target) + log(sum(exp(x - max)))`` per row of logits ``[N, V]``, by the arithmetic of
+:mod:`~lightning_determinism.metrics._portable`: IEEE operations that round once each (no fused multiply-add, no
+library ``exp`` or ``log``), each exponential rounded once to an integer number of ``2**-52`` and a row's terms
+summed as integers. Hence two guarantees:
 
-Batch invariance (the same bits for a row whether it comes alone, among 7 or among 32 rows, on 1 thread or 16) is
-what makes a metric identical on any world size. PyTorch's own reductions do not give it: a sum with one output row
-is split across threads, so one row summed alone is added in another order than the same row inside a batch. Two
-paths give it here:
-
-- **compiled** (CPU default for large vocabularies): one kernel for row max, ``exp(x - max)`` summed in float64
-  and the target gather. For float32, float16 and bfloat16 logits on CPU it is the C kernel of
-  :mod:`~lightning_determinism.metrics._native` (built once per machine); for float64 logits, on CUDA, or where no
-  C compiler works, the one ``torch.compile`` (Inductor) generates from :func:`_row_stats`, with the row count
-  compiled as a size without a hint (``mark_unbacked``) so the code is the same for every batch size. In both,
-  rows are shared among threads and each row is reduced by one thread with the same vector loop.
-- **eager**: exact operations (max, subtraction, clamping, upcasting) in torch, then ``exp`` and the float64 row
-  sums in numpy, whose loops are single-threaded and treat every element, and every row, alike.
-
-The final ``log`` is numpy's as well (torch's vectorised and scalar ``log`` may differ in the last bit, and which one
-a row meets depends on its position). On CUDA the eager path uses torch throughout and batch invariance is not
-claimed (see docs/perplexity.md).
+- **batch invariance**: a row's bits do not depend on the rows that share its batch, on the thread count or on how
+  rows are split among threads (integer sums have no order). This is what makes a metric identical on any world
+  size; PyTorch's own float reductions do not give it.
+- **one value on every path and CPU**: the C kernel (:mod:`~lightning_determinism.metrics._native`, the default on
+  CPU for float32 and half-precision logits), Inductor's kernel compiled from
+  :func:`~lightning_determinism.metrics._portable.row_sums` (float64 logits, ``LDET_PERPLEXITY_NATIVE=0``, a C kernel
+  that did not build, CUDA with ``compile=True``), and the same function run eagerly (no compiler, ``compile=False``)
+  give the same bits, on any x86-64 or ARM CPU.
 """
 
 from __future__ import annotations
@@ -30,13 +22,13 @@ import shutil
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_determinism._compat.checks import mark_unbacked
+from lightning_determinism._compat.checks import mark_unbacked, maybe_mark_dynamic
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.metrics._native import NativeKernel, find_compiler
+from lightning_determinism.metrics._portable import log_fixed, row_sums, row_sums_narrow, row_sums_wide, wide
 
 COMPILE_ENV = "LDET_PERPLEXITY_COMPILE"
 """``"1"``/``"0"`` forces the compiled kernel on or off where a metric's ``compile`` argument is ``None``."""
@@ -47,32 +39,40 @@ NATIVE_ENV = "LDET_PERPLEXITY_NATIVE"
 COMPILE_MIN_VOCAB = 4096
 """With ``compile=None``, the kernel is compiled on CPU for vocabularies at least this large."""
 
-FLOAT64_EXP_MAX_VOCAB = 4096
-"""On CUDA, below this vocabulary size the eager path takes the exponentials in float64 (on CPU: always)."""
-
-EXP_FLOOR = -87.0  # exp() below this is subnormal: ~35x slower on CPUs, and < 2e-38 of the row's sum
-_CHUNK_BYTES_CPU = 2 * 2**20  # a chunk of float32 rows that stays in a CPU's L2/L3 cache (fastest measured)
+_CHUNK_BYTES_CPU = 8 * 2**20  # float32 rows per eager chunk: its temporaries stay small, its calls few
 _CHUNK_BYTES_CUDA = 256 * 2**20  # on a GPU, fewer and larger kernels win
 
+RowSums = tuple[Tensor, Tensor, Tensor, Tensor]  # row max, the row sum's two int64 pieces, the target's logit
 
-def _row_stats(logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Row max, float64 sum of ``exp(x - max)`` and the target's logit; the body of the compiled kernel."""
-    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    top = x.amax(dim=-1, keepdim=True)
-    row_sum = torch.exp((x - top).clamp_min(EXP_FLOOR)).sum(dim=-1, dtype=torch.float64)
-    picked = x.gather(-1, ids[:, None])
-    return top.squeeze(-1), row_sum, picked.squeeze(-1)
+
+def _row_sums_and_target(logits: Tensor, ids: Tensor) -> RowSums:
+    """:func:`._portable.row_sums` and the target's logit: the eager path's body."""
+    top, sum_hi, sum_lo = row_sums(logits)
+    return top, sum_hi, sum_lo, logits.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _narrow_and_target(logits: Tensor, ids: Tensor) -> RowSums:
+    """Inductor's kernel for float32 exponentials (a function of its own: its own compiled graphs, one per dtype)."""
+    top, sum_hi, sum_lo = row_sums_narrow(logits)
+    return top, sum_hi, sum_lo, logits.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _wide_and_target(logits: Tensor, ids: Tensor) -> RowSums:
+    """Inductor's kernel for float64 exponentials."""
+    top, sum_hi, sum_lo = row_sums_wide(logits)
+    return top, sum_hi, sum_lo, logits.gather(-1, ids[:, None]).squeeze(-1)
 
 
 class _CompiledKernel:
     """The compiled row statistics, built once per process.
 
-    :mod:`._native`'s C kernel for CPU logits other than float64, Inductor's :func:`_row_stats` otherwise. A failure
-    of the C kernel falls back to Inductor (warned once), a failure of Inductor to the eager path (warned once).
+    :mod:`._native`'s C kernel for CPU logits other than float64, Inductor's :func:`_row_sums_and_target` otherwise.
+    A failure of the C kernel falls back to Inductor, a failure of Inductor to the eager path (each said once; the
+    values stay the same).
     """
 
     def __init__(self) -> None:
-        self.fn: Any = None
+        self.fns: dict[bool, Any] = {}  # wide -> Inductor's kernel
         self.failed: str | None = None
         self.native = NativeKernel()
         self._warned_native = False
@@ -80,11 +80,12 @@ class _CompiledKernel:
     def available(self) -> bool:
         return self.failed is None
 
-    def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The row statistics, or ``None`` once compiling has failed in this process."""
+    def __call__(self, logits: Tensor, ids: Tensor) -> RowSums | None:
+        """The row sums, or ``None`` once compiling has failed in this process."""
         if self.failed is not None:
             return None
-        if logits.device.type == "cpu" and logits.dtype != torch.float64 and os.environ.get(NATIVE_ENV) != "0":
+        is_wide = wide(logits.dtype, logits.shape[-1])
+        if logits.device.type == "cpu" and not is_wide and os.environ.get(NATIVE_ENV) != "0":
             out = self.native(logits, ids)
             if out is not None:
                 return out
@@ -92,27 +93,31 @@ class _CompiledKernel:
                 self._warned_native = True
                 warnings.warn(
                     f"building the perplexity's C kernel failed ({(self.native.failed or '')[:300]}); this process"
-                    " uses the kernel torch.compile generates from now on (about half as fast; values agree to"
-                    " float32 rounding, not bitwise).",
+                    " uses the kernel torch.compile generates from now on (slower; the same values).",
                     DeterminismWarning,
                     stacklevel=4,
                 )
         try:
-            if self.fn is None:
-                self.fn = torch.compile(_row_stats, dynamic=False, fullgraph=True)
-            # No size hint for the row count: one kernel for every batch size, no 0/1 specialisation.
+            fn = self.fns.get(is_wide)
+            if fn is None:
+                fn = self.fns[is_wide] = torch.compile(
+                    _wide_and_target if is_wide else _narrow_and_target, dynamic=False, fullgraph=True
+                )
+            # No size hint for the row count: one kernel for every batch size, no 0/1 specialisation; the
+            # vocabulary as a size too (at most 2 graphs per dtype: V = 1 and the rest), under the recompile limit.
             mark_unbacked(logits, 0)
             mark_unbacked(ids, 0)
+            maybe_mark_dynamic(logits, 1)
             with warnings.catch_warnings():
                 # Inductor's own use of deprecated torch.jit helpers is not the user's concern.
                 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
-                out = self.fn(logits, ids)
+                out = fn(logits, ids)
         except Exception as err:  # noqa: BLE001  (any compiler, toolchain or tracing failure: fall back)
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             self.failed = " ".join([f"{type(err).__name__}:", *lines[:2]])
             warnings.warn(
                 f"compiling the perplexity kernel failed ({self.failed[:300]}); this process uses the eager path"
-                " from now on (slower; values agree with the compiled path to float32 rounding, not bitwise).",
+                " from now on (slower; the same values).",
                 DeterminismWarning,
                 stacklevel=4,
             )
@@ -163,43 +168,19 @@ def _chunk_rows(vocab: int, device: torch.device, chunk_size: int | None) -> int
     return max(1, budget // (4 * max(vocab, 1)))
 
 
-def _eager_row_stats(logits: Tensor, ids: Tensor, chunk_size: int | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Row statistics one cache-sized chunk at a time: nothing of size ``N x V`` is allocated."""
-    vocab = logits.shape[-1]
-    n = logits.shape[0]
-    work_dtype = torch.promote_types(logits.dtype, torch.float32)
-    if vocab < FLOAT64_EXP_MAX_VOCAB or logits.device.type == "cpu":
-        # float32 exponentials are biased (~1e-9 relative in the perplexity: their float32 argument reduction
-        # rounds every logit with the same exponent alike, see _native); in float64 the eager path costs 1.26x
-        # at V=32,000 on CPU, next to nothing on small vocabularies. On a GPU float64 is slow: large vocabularies
-        # keep float32 there.
-        work_dtype = torch.float64
-    rows = _chunk_rows(vocab, logits.device, chunk_size)
-    on_cpu = logits.device.type == "cpu"
-    shifted = torch.empty((min(rows, n), vocab), dtype=work_dtype, device=logits.device)
-    top = torch.empty((n, 1), dtype=work_dtype, device=logits.device)
-    row_sum = torch.empty(n, dtype=torch.float64, device=logits.device)
-    row_sum_np = row_sum.numpy() if on_cpu else None
-    for start in range(0, n, rows):
-        chunk = logits[start : start + rows]
-        k = chunk.shape[0]
-        y = shifted[:k]
-        y.copy_(chunk)  # exact: upcasting or a plain copy
-        torch.amax(y, dim=-1, keepdim=True, out=top[start : start + k])
-        y.sub_(top[start : start + k]).clamp_(min=EXP_FLOOR)  # exact IEEE operations, whatever the threads
-        if row_sum_np is not None:
-            y_np = y.numpy()
-            np.exp(y_np, out=y_np)
-            np.add.reduce(y_np, axis=1, dtype=np.float64, out=row_sum_np[start : start + k])
-        else:
-            y.exp_()
-            torch.sum(y, dim=-1, dtype=torch.float64, out=row_sum[start : start + k])
-    picked = logits.gather(-1, ids[:, None]).to(work_dtype)
-    return top.squeeze(-1), row_sum, picked.squeeze(-1)
+def _eager_row_sums(logits: Tensor, ids: Tensor, chunk_size: int | None) -> RowSums:
+    """:func:`_row_sums_and_target` one chunk of rows at a time: nothing of size ``N x V`` is allocated."""
+    rows = _chunk_rows(logits.shape[-1], logits.device, chunk_size)
+    parts = [_row_sums_and_target(logits[i : i + rows], ids[i : i + rows]) for i in range(0, logits.shape[0], rows)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))  # type: ignore[return-value]
 
 
 def token_nll(logits: Tensor, ids: Tensor, compiled: bool = False, chunk_size: int | None = None) -> Tensor:
     """Per-token NLL (float64) of ``ids`` ``[N]`` under ``logits`` ``[N, V]``; never part of an autograd graph.
+
+    ``compiled`` and ``chunk_size`` choose how it is computed, never the value.
 
     Examples:
         >>> _ = torch.manual_seed(0)
@@ -210,16 +191,16 @@ def token_nll(logits: Tensor, ids: Tensor, compiled: bool = False, chunk_size: i
     """
     with torch.no_grad():
         logits = logits.detach()
+        if logits.shape[0] == 0:
+            return torch.zeros(0, dtype=torch.float64, device=logits.device)
         stats = None
-        if compiled and logits.shape[0] > 0:
+        if compiled:
             stats = KERNEL(logits.contiguous().view(logits.shape), ids.contiguous().view(ids.shape))
         if stats is None:
-            stats = _eager_row_stats(logits, ids, chunk_size)
-        top, row_sum, picked = stats
+            stats = _eager_row_sums(logits, ids, chunk_size)
+        top, sum_hi, sum_lo, picked = stats
         gap = top.double() - picked.double()  # one IEEE subtraction: the same bits on any thread or position
-        if row_sum.device.type == "cpu":
-            return gap + torch.from_numpy(np.log(row_sum.numpy()))
-        return gap + row_sum.log()
+        return gap + log_fixed(sum_hi, sum_lo)
 
 
 __all__ = ["COMPILE_ENV", "COMPILE_MIN_VOCAB", "KERNEL", "NATIVE_ENV", "token_nll", "use_compiled"]

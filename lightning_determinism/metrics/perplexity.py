@@ -22,6 +22,7 @@ from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, limbs_to_float, zero_limbs
 from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite
 from lightning_determinism.metrics._nll import token_nll, use_compiled
+from lightning_determinism.metrics._portable import exp_float
 
 
 class _PerplexityStats(NamedTuple):
@@ -111,8 +112,8 @@ def _perplexity_update(
 
 
 def _perplexity_compute(mean_nll: float, device: torch.device | None = None) -> Tensor:
-    """``exp(mean NLL)`` as a float64 tensor: ``inf`` on overflow, NaN stays NaN."""
-    return torch.tensor(mean_nll, dtype=torch.float64, device=device).exp()
+    """``exp(mean NLL)`` as a float64 tensor (the same bits on every machine): ``inf`` on overflow, NaN stays NaN."""
+    return torch.tensor(exp_float(mean_nll), dtype=torch.float64, device=device)
 
 
 def _warn_nonfinite(nonfinite: int, count: int) -> None:
@@ -174,12 +175,14 @@ def perplexity(
 class DistributedPerplexity(ExactMetric):
     """Perplexity summed exactly over batches and processes: the same bits on 1, 2 or 8 processes, any batch size.
 
-    Each token's NLL is computed without depending on the other rows of its batch, then added as an exact
-    fixed-point number (64 fractional bits) to int64 limbs; the token count is an int64. ``compute()`` sums the
-    states over processes (integers: exact in any order) and returns ``exp(sum / count)`` in float64, correctly
-    rounded from the exact values. Unlike ``torchmetrics.text.Perplexity`` (float32 states, ``softmax().log()``, an
-    ``N x V`` probability matrix per update), the count stays exact past ``2**24`` tokens, the NLL is finite wherever
-    the true value is, and an update needs no memory of the size of the logits. States are dtype-locked.
+    Each token's NLL is computed without depending on the other rows of its batch, with the same bits on every
+    kernel and CPU (:mod:`~lightning_determinism.metrics._portable`), then added as an exact fixed-point number (64
+    fractional bits) to int64 limbs; the token count is an int64. ``compute()`` sums the states over processes
+    (integers: exact in any order), divides the exact sum by the count (rounded once) and returns its ``exp`` in
+    float64 (within about 1 ulp, from IEEE operations alone: the same bits everywhere). Unlike
+    ``torchmetrics.text.Perplexity`` (float32 states, ``softmax().log()``, an ``N x V`` probability matrix per
+    update), the count stays exact past ``2**24`` tokens, the NLL is finite wherever the true value is, and an
+    update needs no memory of the size of the logits. States are dtype-locked.
 
     Args:
         ignore_index: a target value that is not counted (e.g. ``-100``).

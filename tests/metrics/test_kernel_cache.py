@@ -26,7 +26,7 @@ __attribute__((constructor)) static void planted(void) {
     FILE *f = fopen("%s", "w");
     if (f) { fputs("ran", f); fclose(f); }
 }
-void ldet_row_stats(void) {}
+void ldet_row_sums(void) {}
 """
 
 
@@ -57,9 +57,10 @@ def _row_stats_of_a_fresh_kernel():
     logits, ids = torch.randn(6, 8192, generator=gen), torch.randint(8192, (6,), generator=gen)
     got = _native.NativeKernel()(logits, ids)  # a new kernel object: it builds (or loads) now
     assert got is not None, "the kernel did not build"
-    top, sums, picked = got
+    top, sum_hi, sum_lo, picked = got
     # The reference: the row max and target logit exactly, the sum against float64 exponentials.
     assert torch.equal(top, logits.max(dim=1).values) and torch.equal(picked, logits[torch.arange(6), ids])
+    sums = (sum_hi.double() * 2.0**32 + sum_lo.double()) * 2.0**-52
     want = torch.exp(logits.double() - top.double()[:, None]).sum(dim=1)
     assert torch.allclose(sums, want, rtol=1e-8, atol=0)
     return got
