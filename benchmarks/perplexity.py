@@ -12,6 +12,9 @@
 2. Update throughput at V=32,000, 4,096 tokens per update, float32 logits (target >= 4x torchmetrics on an idle
    machine, >= 2x with a competing CPU-bound process), for the C kernel (the default), Inductor's kernel and the
    eager path; the first update's cost in a fresh process (building the kernel), each kernel's cache cold and warm.
+2b. One value on every path and CPU: the perplexity of fixed logits (V=32,000, float32 and bfloat16) with the C kernel,
+   Inductor's kernel, the eager path, a fresh process with no compiler on the PATH, and the C kernel built for other
+   vector widths (SSE2, AVX2, AVX-512, no vectors: what other x86-64 CPUs build with -march=native), as float.hex.
 3. Invariance: the perplexity over a 997-sample set at batch sizes 1, 7 and 32 (bitwise equal?) and the cost of the
    exact accumulation per update.
 4. Peak extra memory of one update at V=32,000, 8,192 tokens: the process's peak RSS during the update minus its
@@ -270,6 +273,82 @@ def throughput(vocab: int = 32_000, tokens: int = 4_096, repeats: int = 15) -> N
     _table(rows, tuple(metrics))
 
 
+_NO_COMPILER_CHILD = """
+import sys, torch
+from lightning_determinism import DistributedPerplexity
+from lightning_determinism.metrics._nll import use_compiled
+gen = torch.Generator().manual_seed(int(sys.argv[1]))
+logits = (torch.randn(512, 32_000, generator=gen) * 3).to(getattr(torch, sys.argv[2]))
+target = torch.randint(32_000, (512,), generator=gen)
+assert not use_compiled(None, logits.device, 32_000)
+metric = DistributedPerplexity()
+metric.update(logits, target)
+print(float(metric.compute()).hex())
+"""
+
+
+def _ppl_from_row_sums(logits: torch.Tensor, target: torch.Tensor, sums: list[torch.Tensor]) -> str:
+    """The perplexity from a kernel's row sums, as the metric finishes it (log, exact mean, exp)."""
+    from lightning_determinism.exact import exact_sum, limbs_to_float
+    from lightning_determinism.metrics._portable import exp_float, log_fixed
+
+    top, sum_hi, sum_lo, picked = sums
+    nll = top.double() - picked.double() + log_fixed(sum_hi, sum_lo)
+    return exp_float(limbs_to_float(exact_sum(nll)) / nll.numel()).hex()
+
+
+def portability(seed: int = 7) -> None:
+    import ctypes
+    import platform
+
+    from lightning_determinism.metrics import _native
+
+    print("\n2b. one value on every path (V=32,000, 512 tokens; float.hex of the perplexity)")
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        gen = torch.Generator().manual_seed(seed)
+        logits = (torch.randn(512, 32_000, generator=gen) * 3).to(getattr(torch, dtype))
+        target = torch.randint(32_000, (512,), generator=gen)
+        values = {"C kernel": DistributedPerplexity(compile=True), "Inductor": _InductorPerplexity(compile=True),
+                  "eager": DistributedPerplexity(compile=False)}  # fmt: skip
+        found = {}
+        for name, metric in values.items():
+            metric.update(logits, target)
+            found[name] = float(metric.compute()).hex()
+        with tempfile.TemporaryDirectory() as empty:
+            child = subprocess.run([sys.executable, "-c", _NO_COMPILER_CHILD, str(seed), dtype], capture_output=True,
+                                   text=True, check=True, env={**os.environ, "PATH": empty})  # fmt: skip
+            found["no compiler (fresh process)"] = child.stdout.strip()
+            base = ["-O3", "-std=c99", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno"]
+            builds = {"C, no vectors (-O1)": ["-O1", "-std=c99", "-ffp-contract=off"]}
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                builds["C, SSE2 (-march=x86-64)"] = [*base, "-march=x86-64"]
+                builds["C, AVX2 (-march=haswell)"] = [*base, "-march=haswell", "-mno-avx512f"]
+                builds["C, AVX-512 (-march=native)"] = [*base, "-march=native", "-mprefer-vector-width=512"]
+            upcast = logits.float()
+            for name, flags in builds.items():
+                target_so = os.path.join(empty, f"{abs(hash(name))}.so")
+                error = _native._compile(_native.find_compiler() or "cc", [*flags, "-shared", "-fPIC", "-pthread"],
+                                         target_so)  # fmt: skip
+                if error is not None:
+                    found[name] = "build failed"
+                    continue
+                lib = ctypes.CDLL(target_so)
+                _native._declare_row_sums(lib)
+                outs = [torch.empty(512), torch.empty(512, dtype=torch.long), torch.empty(512, dtype=torch.long),
+                        torch.empty(512)]  # fmt: skip
+                lib.ldet_row_sums(upcast.data_ptr(), target.data_ptr(), 512, 32_000, 2, outs[0].data_ptr(),
+                                  outs[1].data_ptr(), outs[2].data_ptr(), outs[3].data_ptr())  # fmt: skip
+                found[name] = _ppl_from_row_sums(upcast, target, outs)
+        reference = math.exp(F.cross_entropy(logits.double(), target).item())
+        found["float64 reference (F.cross_entropy, math.exp)"] = reference.hex()
+        distinct = {v for k, v in found.items() if not k.startswith("float64")}
+        for name, value in found.items():
+            rows.append((f"{dtype}: {name}", value))
+        rows.append((f"{dtype}: distinct values among the paths (1 wanted)", str(len(distinct))))
+    _table(rows, ("perplexity",))
+
+
 def invariance(repeats: int = 20) -> None:
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(257, (997, 7), generator=gen)
@@ -360,11 +439,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=26_213_200)
     parser.add_argument("--lm-tokens", type=int, default=131_072)
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--only", choices=("throughput", "portability"), help="run one section alone")
     args = parser.parse_args()
+    if args.only:
+        {"throughput": throughput, "portability": portability}[args.only]()
+        return
     if not args.skip_accuracy:
         accuracy(args.tokens)
         lm_like_accuracy(args.lm_tokens)
     throughput()
+    portability()
     invariance()
     memory()
 

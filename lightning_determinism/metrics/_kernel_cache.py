@@ -10,9 +10,11 @@ way just before it is loaded (:func:`load_trusted`). docs/security.md has the wh
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import getpass
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -82,6 +84,7 @@ def cache_dir() -> str:
             _CACHE[wanted] = wanted
             return wanted
         replacement = tempfile.mkdtemp(prefix="lightning_determinism-kernels-")  # 0700, ours
+        atexit.register(_remove_replacement, replacement, os.getpid())  # one per process: not left behind
         _CACHE[wanted] = replacement
         warnings.warn(
             f"the kernel cache {wanted} {why}: another user could put code there that this process would load;"
@@ -91,6 +94,12 @@ def cache_dir() -> str:
             stacklevel=2,
         )
         return replacement
+
+
+def _remove_replacement(path: str, owner_pid: int) -> None:
+    """At exit of the process that made it (forked children, which share it, leave it to their parent)."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def load_trusted(target: str) -> ctypes.CDLL:

@@ -7,6 +7,8 @@ skip elsewhere. The planted library's constructor writes a marker file when it i
 import os
 import stat
 import subprocess
+import sys
+import tempfile
 import warnings
 
 import pytest
@@ -31,8 +33,9 @@ void ldet_row_sums(void) {}
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache_choice(monkeypatch):
+def _fresh_cache_choice(monkeypatch, tmp_path):
     monkeypatch.setattr(_kernel_cache, "_CACHE", {})  # the directory a process chose is remembered: forget it per test
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # replacement directories land in the test's own
 
 
 def _plant(directory, marker, owner=OTHER_UID, mode=0o755):
@@ -136,3 +139,19 @@ def test_the_default_directory_is_created_private(monkeypatch, tmp_path):
 def test_untrusted_names_the_reason():
     assert _native.untrusted("/nonexistent/ldet", directory=True).startswith("cannot be read")
     assert _native.untrusted("/", directory=False) == "is a link or not a regular file"
+
+
+def test_a_replacement_directory_is_removed_when_its_process_exits(tmp_path):
+    hijacked = tmp_path / "hijacked"
+    hijacked.mkdir(mode=0o777)
+    os.chown(hijacked, OTHER_UID, OTHER_UID)
+    script = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from lightning_determinism.metrics import _kernel_cache\n"
+        "print(_kernel_cache.cache_dir())\n"
+    )
+    env = {**os.environ, _native.CACHE_ENV: str(hijacked), "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    replacement = done.stdout.strip().splitlines()[-1]
+    assert replacement.startswith(str(tmp_path)) and replacement != str(hijacked)
+    assert not os.path.exists(replacement)  # made private for the process, removed at its exit
