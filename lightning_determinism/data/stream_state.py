@@ -1,8 +1,8 @@
 """What a stream's position is made of, shared by the resumable streams and their resume on another grid.
 
-A stream's seed per (rank, worker, epoch), the seeding of its epoch, the random streams it draws from in the main
-process (swapped in around its work), whether its dataset restores its own position (the state protocol), and the
-digest that checks a replayed item against the saved one.
+A stream's seed per (rank, worker, epoch), the seeding of its epoch, the seed of each batch's ``collate_fn`` call,
+the random streams it draws from in the main process (swapped in around its work), whether its dataset restores its
+own position (the state protocol), and the digest that checks a replayed item against the saved one.
 """
 
 from __future__ import annotations
@@ -69,6 +69,42 @@ def stream_seed(base: int, rank: int, worker: int, epoch: int) -> int:
     return derive_seed(base, rank, "stream", worker, epoch)
 
 
+def collate_seed(base: int, rank: int, worker: int, epoch: int, delivered: int) -> int:
+    """The seed of the ``collate_fn`` call for the batch that follows ``delivered`` items of a (rank, worker) stream.
+
+    A function of the batch's place in its stream only, not of what the worker drew before it.
+    """
+    return derive_seed(base, rank, "collate", worker, epoch, delivered)
+
+
+@contextlib.contextmanager
+def seeded_streams(seed: int) -> Iterator[None]:
+    """Within: python, numpy and torch's CPU stream seeded with ``seed``; the states found are put back after.
+
+    Examples:
+        >>> _ = torch.manual_seed(0)
+        >>> with seeded_streams(7):
+        ...     a = torch.rand(2)
+        >>> after = torch.rand(2)  # the outer stream did not move
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(after, torch.rand(2))
+        True
+        >>> with seeded_streams(7):
+        ...     torch.equal(a, torch.rand(2))
+        True
+    """
+    outer = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(outer[0])
+        np.random.set_state(outer[1])
+        torch.set_rng_state(outer[2])
+
+
 def seed_stream(seed: int, dataset: Any, epoch: int) -> None:
     """Seed python, numpy and torch's CPU stream with ``seed`` and tell the dataset its epoch (``set_epoch``)."""
     random.seed(seed)
@@ -102,4 +138,12 @@ class IsolatedStreams:
             torch.set_rng_state(outer[2])
 
 
-__all__ = ["IsolatedStreams", "has_state_protocol", "item_digest", "seed_stream", "stream_seed"]
+__all__ = [
+    "IsolatedStreams",
+    "collate_seed",
+    "has_state_protocol",
+    "item_digest",
+    "seed_stream",
+    "seeded_streams",
+    "stream_seed",
+]

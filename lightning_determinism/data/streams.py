@@ -7,6 +7,11 @@ one (:mod:`~lightning_determinism.data.resumable`), with a stream's own machiner
   ``derive_seed(base, rank, "stream", worker, epoch)`` (and calls the dataset's ``set_epoch(epoch)`` when it has
   one); with ``num_workers=0`` the dataset draws from streams of its own, swapped in around each batch, so the data
   never depends on the random numbers the model drew. An epoch's stream is then a function of the seeds.
+- **Each batch's collate of its own.** The loader's ``collate_fn`` runs under python, numpy and torch CPU streams
+  seeded from ``derive_seed(base, rank, "collate", worker, epoch, n)``, ``n`` the items the worker delivered before
+  the batch, and the worker's streams are put back after it: randomness drawn there (masking, as Hugging Face's
+  ``DataCollatorForLanguageModeling`` does) is a function of the batch's place in its stream, so a restored or
+  replayed worker draws it again without collating what it skips, and the stream's own items never depend on it.
 - **Tagged batches.** In the worker, each batch leaves with the worker's id, its number of items, a digest of its
   last item and, for datasets with the state protocol, ``dataset.state_dict()`` plus the worker's RNG states; the
   main process strips the tag and keeps, per worker, what the training loop consumed (Lightning fetches one batch
@@ -31,15 +36,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 
 from lightning_determinism._compat.data import hf_shards_in_turn
 from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, elastic_items, skip_delivered
 from lightning_determinism.data.stream_state import (
     IsolatedStreams,
+    collate_seed,
     has_state_protocol,
     item_digest,
     seed_stream,
+    seeded_streams,
     stream_seed,
 )
 from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_streams
@@ -47,8 +54,20 @@ from lightning_determinism.seeding.rng import capture_cpu_streams, restore_cpu_s
 HISTORY = 16
 """Batches fetched beyond the consumed ones that a position can still be taken back from (Lightning fetches one)."""
 
-_ACTIVE: dict[str, tuple[int, Any, bool]] = {}
-"""Per process: a stream's token -> (worker, dataset, whether its state travels with each batch)."""
+
+class _Active:
+    """This process's copy of a stream in its epoch: what :class:`TagCollate` needs to tag and collate a batch."""
+
+    __slots__ = ("dataset", "delivered", "keys", "stateful", "worker")
+
+    def __init__(self, worker: int, dataset: Any, stateful: bool, keys: tuple[int, int, int], delivered: int) -> None:
+        self.worker, self.dataset, self.stateful = worker, dataset, stateful
+        self.keys = keys  # (base seed, rank, epoch): with the worker and `delivered`, its collate's seed
+        self.delivered = delivered  # items delivered in this epoch (before the resume too)
+
+
+_ACTIVE: dict[str, _Active] = {}
+"""Per process: a stream's token -> its copy here (see :class:`_Active`)."""
 
 
 class StreamPlan:
@@ -110,7 +129,9 @@ class StreamProxy(IterableDataset):  # type: ignore[type-arg]
                 iterator = iter(self.dataset)
                 if resume is not None:
                     skip_delivered(iterator, int(resume["items"]), int(resume["digest"]), checks)
-        _ACTIVE[self.plan.token] = (worker, self.dataset, self.stateful and not elastic)
+        delivered = int(resume["items"]) if resume is not None else 0
+        keys = (self.plan.base_seed, self.plan.rank, epoch)
+        _ACTIVE[self.plan.token] = _Active(worker, self.dataset, self.stateful and not elastic, keys, delivered)
         if resume is not None:
             _CHECKS[self.plan.token] = checks
         if type(self.dataset).__module__.startswith("datasets."):
@@ -180,19 +201,27 @@ def _pinned(data: Any) -> Any:
 
 
 class TagCollate:
-    """The ``collate_fn`` a converted stream loader's iterator runs: the user's, plus the tag."""
+    """The ``collate_fn`` a converted stream loader's iterator runs: the user's, under its batch's seed, and a tag."""
 
     def __init__(self, inner: Any, token: str, batched: bool) -> None:
         self.inner, self.token, self.batched = inner, token, batched
+        self.draws = inner not in (default_collate, default_convert)  # PyTorch's own draw nothing: no seeding
 
     def __call__(self, items: Any) -> Tagged:
         """Collate ``items`` as the user's function does and tag the batch (in the worker)."""
-        worker, dataset, stateful = _ACTIVE[self.token]
+        active = _ACTIVE[self.token]
         count = len(items) if self.batched else 1
         digest = item_digest(items[-1] if self.batched else items)
-        state = {"dataset": dataset.state_dict(), "rng": capture_cpu_streams()} if stateful else None
-        data = self.inner(items)
-        return Tagged(worker, count, digest, state, _news(self.token), data)
+        stateful = active.stateful
+        state = {"dataset": active.dataset.state_dict(), "rng": capture_cpu_streams()} if stateful else None
+        if self.draws:
+            base, rank, epoch = active.keys
+            with seeded_streams(collate_seed(base, rank, active.worker, epoch, active.delivered)):
+                data = self.inner(items)
+        else:
+            data = self.inner(items)
+        active.delivered += count
+        return Tagged(active.worker, count, digest, state, _news(self.token), data)
 
 
 class StreamPosition:

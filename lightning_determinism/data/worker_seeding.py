@@ -16,12 +16,14 @@ loader, worker and epoch:
   so each epoch's shuffle depends on the epochs before, not on how far ahead the loader's iterator read.
 - with ``per_sample=True``, every ``dataset[i]`` runs under RNG state seeded from
   ``derive_seed(base, "sample", epoch, i)``: the same sample, bitwise, whatever the number of workers, the batch
-  size or the world size.
+  size or the world size; and a ``collate_fn`` of the user's runs under RNG state seeded from the epoch and the
+  batch's indices (:class:`_PerBatchCollate`): the same batch, masks drawn there included.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import random
 import weakref
 from collections.abc import Callable, Iterator
@@ -30,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate, default_convert
 
+from lightning_determinism.data.stream_state import seeded_streams
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding.seeds import derive_seed
 
@@ -99,9 +102,11 @@ class _PerSampleGetItems:
         self.dataset = dataset
         self.base_seed = base_seed
         self.epoch = epoch
+        self.last: tuple[int, list[int]] | None = None  # (epoch, indices) of the batch just read: its collate's key
 
     def __call__(self, indices: list[int]) -> list[Any]:
         epoch = int(self.epoch.item())
+        self.last = epoch, indices
         getitem = type(self.dataset).__getitem__
         py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
         try:
@@ -114,6 +119,31 @@ class _PerSampleGetItems:
             random.setstate(py_state)
             np.random.set_state(np_state)
             torch.set_rng_state(torch_state)
+
+
+class _PerBatchCollate:
+    """Installed as a per-sample loader's ``collate_fn``: each batch is collated under RNG seeded from its samples.
+
+    PyTorch's fetcher calls it right after ``dataset.__getitems__`` (:class:`_PerSampleGetItems`, read when called:
+    a loader prepared later over the same dataset installs another), in the same process, which leaves the batch's
+    epoch and indices behind: python, numpy and torch's CPU stream are seeded from
+    ``derive_seed(base, "collate", epoch, h)`` (``h`` a 64-bit digest of the indices) and put back after. Randomness
+    drawn there (masking, as ``DataCollatorForLanguageModeling`` does) then depends on the epoch and the batch's
+    samples only, like each sample's: not on the worker, nor on the batches the worker collated before.
+    """
+
+    def __init__(self, inner: Callable[[Any], Any], dataset: Any) -> None:
+        self.inner, self.dataset = inner, dataset
+
+    def __call__(self, items: Any) -> Any:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if not isinstance(getitems, _PerSampleGetItems) or getitems.last is None:
+            return self.inner(items)  # not a batch the per-sample fetch read (called by hand): as it is
+        (epoch, indices), getitems.last = getitems.last, None
+        digest = hashlib.blake2b(np.asarray(indices, dtype=np.int64).tobytes(), digest_size=8).digest()
+        seed = derive_seed(getitems.base_seed, "collate", epoch, int.from_bytes(digest, "little"))
+        with seeded_streams(seed):
+            return self.inner(items)
 
 
 def _lightning_worker_init(fn: Any) -> bool:
@@ -238,6 +268,11 @@ class LoaderSeeding:
                 category=DeterminismWarning,
             )
         dataset.__getitems__ = _PerSampleGetItems(dataset, self.base_seed, epoch)  # type: ignore[attr-defined]
+        collate = dataloader.collate_fn
+        if isinstance(collate, _PerBatchCollate):  # a loader prepared in an earlier run
+            collate = collate.inner
+        if collate not in (default_collate, default_convert):  # PyTorch's own draw nothing
+            dataloader.collate_fn = _PerBatchCollate(collate, dataset)
 
 
 __all__ = ["LoaderSeeding"]

@@ -60,3 +60,20 @@ def user_worker_init(worker_id: int) -> None:
 
 def _uncollated(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return batch
+
+
+def mask_collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Masks drawn in the collate from the process's global streams, as ``DataCollatorForLanguageModeling`` does.
+
+    15 % of the entries of ``x`` are chosen (``torch.bernoulli``), 80 % of those zeroed, half the rest replaced by
+    noise (``torch.randn``); python's and numpy's streams pick a column to scale. ``x`` comes back masked, the model
+    trains on it; ``chosen`` is the mask.
+    """
+    ids = torch.stack([torch.as_tensor(item["id"]) for item in items])
+    x = torch.stack([torch.as_tensor(item["x"]) for item in items]).float()
+    chosen = torch.bernoulli(torch.full(x.shape, 0.15)).bool()
+    zeroed = torch.bernoulli(torch.full(x.shape, 0.8)).bool() & chosen
+    noised = torch.bernoulli(torch.full(x.shape, 0.5)).bool() & chosen & ~zeroed
+    x = torch.where(noised, torch.randn(x.shape), x.masked_fill(zeroed, 0.0))
+    x[:, random.randrange(x.shape[1])] *= 1.0 + float(np.random.rand())
+    return {"id": ids, "x": x, "chosen": chosen}

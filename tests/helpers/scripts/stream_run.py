@@ -13,7 +13,8 @@ python stream_run.py chain OUT K1 K2 ...   # resume OUT/step=K1.ckpt into OUT/r1
 Environment: SOURCE (plain: a generator with a shuffle buffer and noise drawn in the worker, replayed; plain-state:
 the same with state_dict/load_state_dict; hf: Hugging Face datasets, shuffled, split by node; litdata: a
 StreamingDataset over a directory written by litdata.optimize in the test), DEVICES (1 or 2 gloo ranks, fork),
-WORKERS, PERSIST (persistent workers), EPOCHS, DROP_LAST (litdata: "default" leaves StreamingDataset's own, else True).
+WORKERS, PERSIST (persistent workers), EPOCHS, DROP_LAST (litdata: "default" leaves StreamingDataset's own, else True),
+COLLATE ("mlm": tests.helpers.datasets.mask_collate, masking in the worker as DataCollatorForLanguageModeling does).
 Rank 0 records, per step, the sample ids every rank consumed, the synced loss, and a fingerprint of the final
 parameters and optimizer state.
 """
@@ -37,6 +38,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noqa: E402
 
 from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, fingerprint  # noqa: E402
+from tests.helpers.datasets import mask_collate  # noqa: E402
 
 SOURCE = os.environ.get("SOURCE", "plain")
 DEVICES = int(os.environ.get("DEVICES", "2"))
@@ -44,6 +46,7 @@ WORKERS = int(os.environ.get("WORKERS", "2"))
 EPOCHS = int(os.environ.get("EPOCHS", "2"))
 PERSIST = bool(os.environ.get("PERSIST"))
 DROP_LAST = os.environ.get("DROP_LAST", "true")  # litdata's drop_last: "default" (None: True on 2+ ranks, else False)
+COLLATE = os.environ.get("COLLATE", "")
 OWN_SAMPLERS = False  # Trainer(use_distributed_sampler=False): what users of self-sharding streams set
 N = 64
 FEATURES = torch.randn(N, 8, generator=torch.Generator().manual_seed(0))
@@ -170,7 +173,8 @@ class Net(L.LightningModule):
         sources = {"plain": Shuffled, "plain-state": StatefulShuffled, "hf": hf_dataset, "hf-state": hf_unshuffled}
         dataset = sources[SOURCE]()
         persist = PERSIST and WORKERS > 0
-        return DataLoader(dataset, batch_size=4, num_workers=WORKERS, persistent_workers=persist)
+        collate = mask_collate if COLLATE == "mlm" else None
+        return DataLoader(dataset, batch_size=4, num_workers=WORKERS, persistent_workers=persist, collate_fn=collate)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -242,11 +246,12 @@ def write_litdata(directory: Path) -> None:
 
 def configure(config: dict) -> None:
     """Set this process's configuration (the module's globals, as the environment would)."""
-    global SOURCE, DEVICES, WORKERS, PERSIST, OWN_SAMPLERS, DROP_LAST
+    global SOURCE, DEVICES, WORKERS, PERSIST, OWN_SAMPLERS, DROP_LAST, COLLATE
     SOURCE, DEVICES = config.get("source", "plain"), int(config.get("devices", 2))
     DROP_LAST = str(config.get("drop_last", "true"))
     WORKERS, PERSIST = int(config.get("workers", 2)), bool(config.get("persist", False))
     OWN_SAMPLERS = bool(config.get("own_samplers", False))
+    COLLATE = str(config.get("collate", ""))
     if SOURCE == "litdata" and not Path(os.environ["LITDATA_DIR"]).exists():
         write_litdata(Path(os.environ["LITDATA_DIR"]))
 
@@ -295,7 +300,10 @@ if __name__ == "__main__":
     if mode == "configs":  # python stream_run.py configs OUT '[{"name": ..., "source": ..., "chain": [3, 5]}]'
         run_configs(out, json.loads(sys.argv[3]))
         raise SystemExit(0)
-    configure({"source": SOURCE, "devices": DEVICES, "workers": WORKERS, "persist": PERSIST, "drop_last": DROP_LAST})
+    configure(
+        {"source": SOURCE, "devices": DEVICES, "workers": WORKERS, "persist": PERSIST, "drop_last": DROP_LAST,
+         "collate": COLLATE}
+    )  # fmt: skip
     if mode == "straight":
         fit(out)
     elif mode == "elastic":  # resume OUT/../straight/step=K.ckpt on DEVICES ranks (another world size)
