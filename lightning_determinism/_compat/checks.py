@@ -56,7 +56,6 @@ SubprocessScriptLauncher = _optional(
     "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
 )
 update_dataloader = _optional("lightning.pytorch.utilities.data:_update_dataloader")
-mark_unbacked = _optional("torch._dynamo.decorators:mark_unbacked")
 maybe_mark_dynamic = _optional("torch._dynamo.decorators:maybe_mark_dynamic")
 BatchNorm = _optional("torch.nn.modules.batchnorm:_BatchNorm")
 worker_module: Any = importlib.import_module("torch.utils.data._utils.worker")  # public module, private names inside
@@ -164,7 +163,6 @@ __all__ = [
     "SubprocessScriptLauncher",
     "available",
     "check_compat",
-    "mark_unbacked",
     "maybe_mark_dynamic",
     "missing",
     "require",

@@ -342,10 +342,10 @@ PIECES: tuple[Piece, ...] = (
           and _exists("torch._C._profiler:RecordScope.USER_SCOPE")()
           and all(hasattr(_lookup("torch._C._autograd:_KinetoEvent"), a) for a in ("name", "duration_ns",
                                                                                     "device_type"))),
-    Piece(KERNEL, "torch._dynamo.decorators.mark_unbacked, .maybe_mark_dynamic",
-          "one compiled perplexity kernel for every batch size and vocabulary; torch.compile has no public equivalent",
-          lambda: _exists("torch._dynamo.decorators:mark_unbacked")()
-          and _exists("torch._dynamo.decorators:maybe_mark_dynamic")()),
+    Piece(KERNEL, "torch._dynamo.decorators.maybe_mark_dynamic",
+          "no recompile of the perplexity's Inductor kernel per batch size or vocabulary (dynamic=True would make"
+          " every size of the caller's graph dynamic too)",
+          _exists("torch._dynamo.decorators:maybe_mark_dynamic")),
     Piece(DTENSOR,
           "torch.distributed.tensor.DTensor._op_dispatcher (._custom_op_handlers, ._random_ops), DTensor(local,"
           " spec, requires_grad=), ._local_tensor; _dtensor_spec.DTensorSpec, TensorMeta",

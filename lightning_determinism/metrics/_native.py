@@ -88,6 +88,7 @@ static void one_row(const float *x, int64_t v, int64_t target, const float *next
     *top = m;
     *picked = x[target];
     if (nan || m - m != 0.0f) { /* NaN, or an infinite max (+inf present, or every logit -inf) */
+        if (nan) *top = __builtin_nanf(""); /* as torch's amax, which propagates NaN */
         *sum_hi = $NAN_MARK;
         *sum_lo = 0;
         return;

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_determinism._compat.checks import mark_unbacked, maybe_mark_dynamic
+from lightning_determinism._compat.checks import maybe_mark_dynamic
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.metrics._native import NativeKernel, find_compiler
 from lightning_determinism.metrics._portable import log_fixed, row_sums, row_sums_narrow, row_sums_wide, wide
@@ -103,10 +103,10 @@ class _CompiledKernel:
                 fn = self.fns[is_wide] = torch.compile(
                     _wide_and_target if is_wide else _narrow_and_target, dynamic=False, fullgraph=True
                 )
-            # No size hint for the row count: one kernel for every batch size, no 0/1 specialisation; the
-            # vocabulary as a size too (at most 2 graphs per dtype: V = 1 and the rest), under the recompile limit.
-            mark_unbacked(logits, 0)
-            mark_unbacked(ids, 0)
+            # Rows and vocabulary as sizes: no recompile per batch size or vocabulary (a few graphs per dtype at
+            # most, for sizes 1), under the recompile limit. The bits are the same in every graph: integer sums.
+            maybe_mark_dynamic(logits, 0)
+            maybe_mark_dynamic(ids, 0)
             maybe_mark_dynamic(logits, 1)
             with warnings.catch_warnings():
                 # Inductor's own use of deprecated torch.jit helpers is not the user's concern.

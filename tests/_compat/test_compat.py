@@ -68,7 +68,7 @@ def _fails_naming(*fragments):
         ("lightning.fabric.utilities.data", "_set_sampler_epoch"),
         ("lightning.fabric.utilities.distributed", "_suggested_max_num_threads"),
         ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
-        ("torch._dynamo.decorators", "mark_unbacked"),
+        ("torch._dynamo.decorators", "maybe_mark_dynamic"),
         ("torch.nn.modules.batchnorm", "_BatchNorm"),
         ("torchmetrics.utilities.plot", "_PLOT_OUT_TYPE"),
     ],
