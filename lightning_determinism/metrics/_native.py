@@ -1,18 +1,19 @@
 """The perplexity's CPU row kernel in C: one function, compiled once per machine with the C compiler on the ``PATH``.
 
-Per row of float32 logits it returns the row max, ``sum(exp(x - max))`` accumulated in float64, and the target's
-logit -- what Inductor's kernel returns, at about twice its speed on a 2-core AVX-512 machine. Where the time goes
-and why this is faster: ``docs/perplexity.md``. What makes it exact enough:
+Per row of float32 logits (from 4,096 classes) it returns the row max, the row's sum of ``exp(x - max)`` as an exact
+integer number of ``2**-52`` (two int64 pieces), and the target's logit -- bit for bit what
+:func:`~lightning_determinism.metrics._portable.row_sums` computes with torch (eager or compiled by Inductor), at
+about 1.4x the speed of Inductor's kernel on a 2-core AVX-512 machine. Where the time goes: ``docs/perplexity.md``.
+What makes the bits the same on every path and CPU:
 
-- ``exp`` is written here: ``2**k * exp(r)`` with ``r = d - k ln2`` reduced in two steps, the second step's
-  rounding error carried on (``r = rh + rl``), and a degree-8 polynomial whose coefficients were fitted for this
-  range (largest relative error 2.3e-10 before float32 rounding). A rounded ``r`` alone biased every exponential
-  with the same ``k`` in the same direction (logits sit on a float32 grid), by up to 3e-9.
-- Each row is summed by one thread in a fixed order: 16 float64 lanes, element ``j`` into lane ``j % 16``, then the
-  tail, then the lanes in order. Threads claim blocks of 8 rows as they go (a thread on a busy core takes fewer),
-  never part of a row: the bits of a row do not depend on the batch, the thread count or which thread took it.
-  Another compiler or CPU (vector width, ``-march=native``) may round differently.
-- Rows holding NaN, or whose max is infinite, get a NaN sum (as Inductor's kernel gives).
+- the C source is generated from :mod:`._portable`'s constants (hexadecimal literals: no decimal rounding) and does
+  its operations in its order, each rounded on its own: built with ``-ffp-contract=off`` (no fused multiply-add)
+  and refused by a compiler whose ``float`` arithmetic is wider (x87);
+- each exponential becomes an integer, and a row's integers are summed in 16 uint64 lanes, moved into a 128-bit
+  total every 1,024 blocks: integer sums have no order, so vector width, lanes, threads (blocks of 8 rows claimed
+  as they go) and the batch do not change a row's bits;
+- rows holding NaN, or whose max is infinite, get :data:`~._portable.NAN_MARK` (and a NaN max for NaN, as torch's
+  ``amax`` gives).
 
 While a row's exponentials are computed, the next row is prefetched into the L2 cache: the exponentials keep the
 core busy, the prefetch uses the memory bandwidth that would otherwise wait for the next row's max.
