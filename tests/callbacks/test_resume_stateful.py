@@ -23,7 +23,26 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The number of training batches .* is smaller than the logging interval"),
 ]
 
-CASES = [(config, name) for config in sc.STEPS for name in sc.STEPS[config]]
+
+def _swa_state_loads_weights_only() -> bool:
+    """Whether SWALR's state holds only data (torch 2.8 keeps its anneal function: a weights-only load refuses it)."""
+    from torch.optim.swa_utils import SWALR
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    return not any(callable(value) for value in SWALR(optimizer, swa_lr=0.05).state_dict().values())
+
+
+SWA_LOADS = _swa_state_loads_weights_only()
+CONFIGS = [config for config in sc.STEPS if config != "swa" or SWA_LOADS]
+RAW_CASES = [(config, name) for config in CONFIGS for name in sc.STEPS[config]]
+_NO_SWA = pytest.mark.skipif(
+    not SWA_LOADS, reason=f"torch {torch.__version__}'s SWALR keeps a function in its state: not weights-only loadable"
+)
+CASES = [
+    pytest.param(config, name, marks=[_NO_SWA] if config == "swa" else [])
+    for config in sc.STEPS
+    for name in sc.STEPS[config]
+]
 COMPARED = ("lr", "epochs", "global_step", "history", "n_averaged", "topk", "log")
 
 
@@ -39,7 +58,7 @@ def _stock(devices):
 
 def _run(root, devices, with_more):
     for kind, make in (("ours", _ours(devices)), ("stock", _stock(devices))):
-        for config in sc.STEPS:
+        for config in CONFIGS:
             sc.run_all(root / kind / config, config, make, devices)
         if with_more:
             sc.run_more(root / kind / "more", make, devices)
@@ -110,12 +129,14 @@ def test_validation_due_at_the_checkpoint_and_a_checkpoint_in_epoch_end_are_repl
 
 def test_stock_lightning_differs_on_one_process(one):
     """The reference: Lightning's own restart, the issue's symptoms (the tests above can fail)."""
-    swa_mid, swa_last = (_pair(one, "stock", "swa", name, 1) for name in ("mid-epoch", "last-batch"))
-    # Mid-epoch: SWA's scheduler is not rebuilt (the lr lags; nothing is averaged after the resume).
-    assert swa_mid[1][0]["lr"] != swa_mid[0][0]["lr"] and swa_mid[1][0]["n_averaged"] != swa_mid[0][0]["n_averaged"]
-    # After epoch 1's last batch: its validation is skipped, EarlyStopping runs another epoch, other top-k files.
-    assert swa_last[1][0]["epochs"] == swa_last[0][0]["epochs"] + 1
-    assert swa_last[1][0]["topk"] != swa_last[0][0]["topk"]
+    if SWA_LOADS:
+        swa_mid, swa_last = (_pair(one, "stock", "swa", name, 1) for name in ("mid-epoch", "last-batch"))
+        # Mid-epoch: SWA's scheduler is not rebuilt (the lr lags; nothing is averaged after the resume).
+        assert swa_mid[1][0]["lr"] != swa_mid[0][0]["lr"]
+        assert swa_mid[1][0]["n_averaged"] != swa_mid[0][0]["n_averaged"]
+        # After epoch 1's last batch: its validation is skipped, EarlyStopping runs another epoch, other top-k files.
+        assert swa_last[1][0]["epochs"] == swa_last[0][0]["epochs"] + 1
+        assert swa_last[1][0]["topk"] != swa_last[0][0]["topk"]
     for name in sc.STEPS["plateau"]:  # ReduceLROnPlateau misses a step: another final lr
         straight, resumed = _pair(one, "stock", "plateau", name, 1)
         assert resumed[0]["lr"] > straight[0]["lr"]
@@ -126,7 +147,7 @@ def test_stock_lightning_differs_on_one_process(one):
 
 @pytest.mark.distributed
 def test_stock_ddp_differs_on_two_processes(two):
-    for config, name in CASES:
+    for config, name in RAW_CASES:
         straight, resumed = _pair(two, "stock", config, name, 2)
         assert set(_differences(straight, resumed)) == {0, 1}, (config, name)
     straight, resumed = _pair(two, "stock", "plateau", "last-batch", 2)
