@@ -210,7 +210,7 @@ def check_nccl(tmp: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_determinism import DistributedPerplexity
+    from lightning_determinism import DistributedPerplexity, perplexity
 
     if not dist.is_nccl_available():
         report(False, "NCCL", "torch.distributed has no NCCL backend")
@@ -235,10 +235,20 @@ def check_nccl(tmp: Path) -> None:
         on_cpu.update(logits, target)
         cpu_value = on_cpu.compute()
         report(
-            None,
-            "perplexity of the same logits on CPU and on CUDA",
-            f"cpu {cpu_value.item().hex()} cuda {a.item().hex()} equal={cpu_value.item() == a.item()}",
+            cpu_value.item() == a.item(),
+            "perplexity of the same logits on CPU and on CUDA (V=1000: float64 exponentials)",
+            f"cpu {cpu_value.item().hex()} cuda {a.item().hex()}",
         )
+        for dtype in (torch.float32, torch.bfloat16):  # V=32,000: the C kernel on CPU, the eager path on CUDA
+            big = (torch.randn(256, 32_000, generator=generator) * 3).to(dtype)
+            ids = torch.randint(0, 32_000, (256,), generator=generator)
+            cpu_big = perplexity(big, ids)
+            cuda_big = perplexity(big.cuda(), ids.cuda(), compile=False)
+            report(
+                cpu_big.item() == cuda_big.item(),
+                f"perplexity on CPU (C kernel) and on CUDA (eager), V=32,000, {dtype}",
+                f"cpu {cpu_big.item().hex()} cuda {cuda_big.item().hex()}",
+            )
     finally:
         dist.destroy_process_group()
 

@@ -69,6 +69,15 @@ def _exists(path: str, *params: str) -> Callable[[], bool]:
     return present
 
 
+def _strided_shard_builds() -> bool:
+    """``_StridedShard(dim, split_factor=)`` builds one that says both back (no signature to read on some torch)."""
+    try:
+        placement = _lookup("torch.distributed.tensor.placement_types:_StridedShard")(1, split_factor=2)
+        return (placement.dim, placement.split_factor) == (1, 2)
+    except Exception:  # noqa: BLE001  (missing, renamed, or another constructor: the piece is absent)
+        return False
+
+
 def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])  # "2.5.0.post0" -> (2, 5, 0)
 
@@ -358,7 +367,7 @@ PIECES: tuple[Piece, ...] = (
     Piece(DTENSOR, "torch.distributed.tensor.placement_types._StridedShard(dim, split_factor=)",
           "FSDP2 over a tensor-parallel parameter places it with _StridedShard, which is_shard() does not report; a"
           " shard's digest needs its elements' global positions",
-          _exists("torch.distributed.tensor.placement_types:_StridedShard", "dim")),
+          lambda: _strided_shard_builds()),
     Piece(DTENSOR, "torch.distributed.tensor._random._rng_tracker, OffsetBasedRNGTracker(device_mesh, run_state_sync),"
           " is_rng_supported_mesh",
           "on CUDA the tracker DTensor creates at its first random op broadcasts rank 0's generator state, undoing"

@@ -14,7 +14,7 @@ import torch
 from lightning_determinism import DistributedPerplexity, perplexity
 from lightning_determinism.metrics import _native, _nll, _portable
 from lightning_determinism.metrics._nll import NATIVE_ENV, token_nll
-from tests.helpers import require_compiled_kernel
+from tests.helpers import require_compiled_kernel, requires_cuda
 
 needs_compiler = pytest.mark.skipif(_native.find_compiler() is None, reason="no C compiler")
 
@@ -151,3 +151,13 @@ def test_log_fixed_is_within_two_ulps_of_the_exact_value():
         exact = Decimal(s).ln()
         assert abs(Decimal(value) - exact) <= 2 * Decimal(math.ulp(float(exact))), (hi, lo)
     assert math.isnan(float(_portable.log_fixed(torch.tensor([_portable.NAN_MARK]), torch.tensor([0]))[0]))
+
+
+@requires_cuda
+@pytest.mark.parametrize(("vocab", "dtype"), [(5003, torch.float32), (4096, torch.bfloat16), (300, torch.float32)])
+def test_the_cuda_eager_path_gives_the_cpu_bits(vocab, dtype):
+    # The same IEEE operations, each in a kernel of its own (nothing to contract), and integer sums.
+    logits, ids = _logits(64, vocab, dtype, seed=5)
+    cpu = token_nll(logits, ids, compiled=True)  # the C kernel where it applies
+    cuda = token_nll(logits.cuda(), ids.cuda(), compiled=False).cpu()
+    assert torch.equal(cpu.isnan(), cuda.isnan()) and torch.equal(cpu[~cpu.isnan()], cuda[~cuda.isnan()])
