@@ -287,14 +287,14 @@ print(float(metric.compute()).hex())
 """
 
 
-def _ppl_from_row_sums(logits: torch.Tensor, target: torch.Tensor, sums: list[torch.Tensor]) -> str:
-    """The perplexity from a kernel's row sums, as the metric finishes it (log, exact mean, exp)."""
-    from lightning_determinism.exact import exact_sum, limbs_to_float
-    from lightning_determinism.metrics._portable import exp_float, log_fixed
+def _ppl_from_row_sums(sums: list[torch.Tensor]) -> str:
+    """The perplexity from a kernel's row sums, as the metric finishes it (NLL, exact mean, exp)."""
+    from lightning_determinism.exact import exact_mean, exact_sum
+    from lightning_determinism.metrics._nll import nll_from_row_sums
+    from lightning_determinism.metrics._portable import exp_float
 
-    top, sum_hi, sum_lo, picked = sums
-    nll = top.double() - picked.double() + log_fixed(sum_hi, sum_lo)
-    return exp_float(limbs_to_float(exact_sum(nll)) / nll.numel()).hex()
+    nll = nll_from_row_sums(*sums)
+    return exp_float(exact_mean(exact_sum(nll), nll.numel())).hex()
 
 
 def portability(seed: int = 7) -> None:
@@ -339,7 +339,7 @@ def portability(seed: int = 7) -> None:
                         torch.empty(512)]  # fmt: skip
                 lib.ldet_row_sums(upcast.data_ptr(), target.data_ptr(), 512, 32_000, 2, outs[0].data_ptr(),
                                   outs[1].data_ptr(), outs[2].data_ptr(), outs[3].data_ptr())  # fmt: skip
-                found[name] = _ppl_from_row_sums(upcast, target, outs)
+                found[name] = _ppl_from_row_sums(outs)
         reference = math.exp(F.cross_entropy(logits.double(), target).item())
         found["float64 reference (F.cross_entropy, math.exp)"] = reference.hex()
         distinct = {v for k, v in found.items() if not k.startswith("float64")}

@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_determinism._compat.checks import maybe_mark_dynamic
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.metrics._native import NativeKernel, find_compiler
-from lightning_determinism.metrics._portable import log_fixed, row_sums, row_sums_narrow, row_sums_wide, wide
+from lightning_determinism.metrics._portable import log_fixed, row_sums_narrow, row_sums_wide, wide
 
 COMPILE_ENV = "LDET_PERPLEXITY_COMPILE"
 """``"1"``/``"0"`` forces the compiled kernel on or off where a metric's ``compile`` argument is ``None``."""
@@ -45,28 +45,34 @@ _CHUNK_BYTES_CUDA = 256 * 2**20  # on a GPU, fewer and larger kernels win
 RowSums = tuple[Tensor, Tensor, Tensor, Tensor]  # row max, the row sum's two int64 pieces, the target's logit
 
 
-def _row_sums_and_target(logits: Tensor, ids: Tensor) -> RowSums:
-    """:func:`._portable.row_sums` and the target's logit: the eager path's body."""
-    top, sum_hi, sum_lo = row_sums(logits)
-    return top, sum_hi, sum_lo, logits.gather(-1, ids[:, None]).squeeze(-1)
-
-
 def _narrow_and_target(logits: Tensor, ids: Tensor) -> RowSums:
-    """Inductor's kernel for float32 exponentials (a function of its own: its own compiled graphs, one per dtype)."""
+    """Float32 exponentials' row sums and the target's logit: Inductor's kernel (its own graphs, one per dtype)."""
     top, sum_hi, sum_lo = row_sums_narrow(logits)
     return top, sum_hi, sum_lo, logits.gather(-1, ids[:, None]).squeeze(-1)
 
 
 def _wide_and_target(logits: Tensor, ids: Tensor) -> RowSums:
-    """Inductor's kernel for float64 exponentials."""
+    """:func:`_narrow_and_target` with float64 exponentials."""
     top, sum_hi, sum_lo = row_sums_wide(logits)
     return top, sum_hi, sum_lo, logits.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _row_sums_and_target(logits: Tensor, ids: Tensor) -> RowSums:
+    """The eager path's body: the compiled kernels' function for ``logits``'s dtype and vocabulary, run op by op."""
+    body = _wide_and_target if wide(logits.dtype, logits.shape[-1]) else _narrow_and_target
+    return body(logits, ids)
+
+
+def nll_from_row_sums(top: Tensor, sum_hi: Tensor, sum_lo: Tensor, picked: Tensor) -> Tensor:
+    """Per-token NLL (float64) from any kernel's row sums: ``(max - x_target) + log(S * 2**-52)``."""
+    gap = top.double() - picked.double()  # one IEEE subtraction: the same bits on any thread or position
+    return gap + log_fixed(sum_hi, sum_lo)
 
 
 class _CompiledKernel:
     """The compiled row statistics, built once per process.
 
-    :mod:`._native`'s C kernel for CPU logits other than float64, Inductor's :func:`_row_sums_and_target` otherwise.
+    :mod:`._native`'s C kernel for CPU float32 and half logits from 4,096 classes, Inductor's otherwise.
     A failure of the C kernel falls back to Inductor, a failure of Inductor to the eager path (each said once; the
     values stay the same).
     """
@@ -198,9 +204,7 @@ def token_nll(logits: Tensor, ids: Tensor, compiled: bool = False, chunk_size: i
             stats = KERNEL(logits.contiguous().view(logits.shape), ids.contiguous().view(ids.shape))
         if stats is None:
             stats = _eager_row_sums(logits, ids, chunk_size)
-        top, sum_hi, sum_lo, picked = stats
-        gap = top.double() - picked.double()  # one IEEE subtraction: the same bits on any thread or position
-        return gap + log_fixed(sum_hi, sum_lo)
+        return nll_from_row_sums(*stats)
 
 
-__all__ = ["COMPILE_ENV", "COMPILE_MIN_VOCAB", "KERNEL", "NATIVE_ENV", "token_nll", "use_compiled"]
+__all__ = ["COMPILE_ENV", "COMPILE_MIN_VOCAB", "KERNEL", "NATIVE_ENV", "nll_from_row_sums", "token_nll", "use_compiled"]

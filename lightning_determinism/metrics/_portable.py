@@ -84,14 +84,15 @@ def _exp_fixed(d: Tensor) -> Tensor:
 
 
 _EXP64_TAYLOR = tuple(1.0 / math.factorial(n) for n in range(12, 1, -1))  # 1/12!, ..., 1/2!
-_LN2_HI_D = 6.93147180369123816490e-01  # 32 significant bits: k * _LN2_HI_D is exact
-_LN2_LO_D = 1.90821492927058770002e-10
+LN2_HI_D = 6.93147180369123816490e-01  # ln2 to 32 significant bits: k * LN2_HI_D is exact for |k| < 2**21
+LN2_LO_D = 1.90821492927058770002e-10  # ln2 - LN2_HI_D
+INV_LN2_D = 1.4426950408889634
 
 
 def _exp_fixed64(d: Tensor) -> Tensor:
     """``exp(d) * 2**52`` rounded to an int64 for float64 ``d`` in ``[FLOOR, 0]``: float64 throughout (degree 12)."""
-    k = torch.mul(d, 1.4426950408889634).round_()
-    r = torch.sub(d, torch.mul(k, _LN2_HI_D)).sub_(torch.mul(k, _LN2_LO_D))
+    k = torch.mul(d, INV_LN2_D).round_()
+    r = torch.sub(d, torch.mul(k, LN2_HI_D)).sub_(torch.mul(k, LN2_LO_D))
     p = torch.full_like(r, _EXP64_TAYLOR[0])
     for c in _EXP64_TAYLOR[1:]:
         p.mul_(r).add_(c)
@@ -147,8 +148,6 @@ def _sums(top: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return top, sum_hi, sum_lo
 
 
-LOG_LN2_HI = 6.93147180369123816490e-01  # 32 significant bits: e * LOG_LN2_HI is exact
-LOG_LN2_LO = 1.90821492927058770002e-10
 _SQRT2 = 1.4142135623730951
 _ATANH = tuple(1.0 / n for n in range(21, 1, -2))  # 1/21, 1/19, ..., 1/3: 2*atanh(u) = 2u(1 + u^2/3 + ...)
 _EXP_BITS = 52
@@ -177,13 +176,11 @@ def log_fixed(sum_hi: Tensor, sum_lo: Tensor) -> Tensor:
     for c in _ATANH[1:]:
         series = series * z + c
     log_m = (u + u) * (series * z + 1.0)
-    out = exponent * LOG_LN2_HI + (exponent * LOG_LN2_LO + log_m)
+    out = exponent * LN2_HI_D + (exponent * LN2_LO_D + log_m)
     return torch.where(sum_hi == NAN_MARK, torch.full_like(out, math.nan), out)
 
 
 _EXP_TAYLOR = tuple(1.0 / math.factorial(n) for n in range(14, 0, -1))  # 1/14!, ..., 1/1!
-_EXP_LN2_HI = 6.93147180369123816490e-01
-_EXP_LN2_LO = 1.90821492927058770002e-10
 _EXP_MAX = 709.782712893384  # exp above this overflows float64
 _EXP_MIN = -745.1332191019412  # and below this is 0
 
@@ -206,8 +203,8 @@ def exp_float(x: float) -> float:
         return math.inf
     if x < _EXP_MIN:
         return 0.0
-    k = round(x * 1.4426950408889634)  # half to even
-    r = (x - k * _EXP_LN2_HI) - k * _EXP_LN2_LO  # |k| < 1100: k * _EXP_LN2_HI is exact
+    k = round(x * INV_LN2_D)  # half to even
+    r = (x - k * LN2_HI_D) - k * LN2_LO_D  # |k| < 1100: k * LN2_HI_D is exact
     p = _EXP_TAYLOR[0]
     for c in _EXP_TAYLOR[1:]:
         p = p * r + c
