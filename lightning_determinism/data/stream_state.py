@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate, default_convert
 
 from lightning_determinism._compat.data import hf_shuffles
 from lightning_determinism.seeding.seeds import derive_seed
@@ -75,6 +76,11 @@ def collate_seed(base: int, rank: int, worker: int, epoch: int, delivered: int) 
     A function of the batch's place in its stream only, not of what the worker drew before it.
     """
     return derive_seed(base, rank, "collate", worker, epoch, delivered)
+
+
+def may_draw(collate_fn: Any) -> bool:
+    """Whether a ``collate_fn`` needs a seed of its own: any but PyTorch's ``default_collate``/``default_convert``."""
+    return collate_fn not in (default_collate, default_convert)
 
 
 @contextlib.contextmanager
@@ -143,6 +149,7 @@ __all__ = [
     "collate_seed",
     "has_state_protocol",
     "item_digest",
+    "may_draw",
     "seed_stream",
     "seeded_streams",
     "stream_seed",

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_determinism._compat.data import hf_shards_in_turn
 from lightning_determinism.data.elastic_streams import Checks, Grid, Layout, elastic_items, skip_delivered
@@ -45,6 +45,7 @@ from lightning_determinism.data.stream_state import (
     collate_seed,
     has_state_protocol,
     item_digest,
+    may_draw,
     seed_stream,
     seeded_streams,
     stream_seed,
@@ -205,7 +206,7 @@ class TagCollate:
 
     def __init__(self, inner: Any, token: str, batched: bool) -> None:
         self.inner, self.token, self.batched = inner, token, batched
-        self.draws = inner not in (default_collate, default_convert)  # PyTorch's own draw nothing: no seeding
+        self.draws = may_draw(inner)
 
     def __call__(self, items: Any) -> Tagged:
         """Collate ``items`` as the user's function does and tag the batch (in the worker)."""

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate, default_convert
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from lightning_determinism.data.stream_state import seeded_streams
+from lightning_determinism.data.stream_state import may_draw, seeded_streams
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding.seeds import derive_seed
 
@@ -271,7 +271,7 @@ class LoaderSeeding:
         collate = dataloader.collate_fn
         if isinstance(collate, _PerBatchCollate):  # a loader prepared in an earlier run
             collate = collate.inner
-        if collate not in (default_collate, default_convert):  # PyTorch's own draw nothing
+        if may_draw(collate):
             dataloader.collate_fn = _PerBatchCollate(collate, dataset)
 
 
