@@ -142,7 +142,6 @@ def _accuracy_rank(rank: int, world: int, store: str, out: str, steps: int) -> N
     data = _mlp_data(128 * steps)
     m, micro = 8, 16  # 16 micro-batches per step, 8 per process
     per_rank = micro // world
-    groups = tree.pair_groups(world)
     errors = {f"{name}: {metric}": 0.0 for name in ("invariant tree", "float32 DDP") for metric in METRICS}
     parameters = list(model.parameters())
     for step in range(steps):
@@ -160,7 +159,7 @@ def _accuracy_rank(rank: int, world: int, store: str, out: str, steps: int) -> N
             ddp += flat[j]
         dist.all_reduce(ddp)
         ddp /= world
-        gradients = tree.GradientTree(parameters, per_rank, groups, rank)
+        gradients = tree.GradientTree(parameters, per_rank, world, rank)
         for j in mine:
             for p, g in zip(parameters, leaves[j], strict=True):
                 p.grad = g.clone()

@@ -4,12 +4,15 @@ The user fixes the global batch: ``B`` samples per optimizer step, in ``M = B / 
 Everything that decides a step's numbers then depends on the micro-batch, never on the rank or the world size W:
 
 - **data**: :class:`InvariantSampler` cuts one global order (a function of the base seed and the epoch) into
-  micro-batches; rank ``r`` takes micro-batches ``r*K ... r*K + K - 1`` of every step, ``K = M / W``;
+  micro-batches; rank ``r`` takes micro-batches ``r*K ... r*K + K - 1`` of every step, ``K = M / W`` (under FSDP2,
+  micro-batches ``j*W + r``, ``j = 0 .. K-1``: each pass of the ranks covers adjacent leaves of the tree);
 - **randomness**: before each micro-batch the CPU generator (and CUDA's) is reseeded from
   ``derive_seed(base, "micro-batch", step, j)``, ``j`` the micro-batch's index in the step;
 - **gradients**: each micro-batch's gradient is a leaf of one fixed binary tree over ``j = 0 .. M-1``
-  (:mod:`~lightning_determinism.invariance.tree`). A process sums its ``K`` leaves (a subtree); processes then climb the
-  tree in pairs. DDP's own all-reduce does not run. With ``M`` and ``W`` powers of two, the ``1/K`` loss scaling of
+  (:mod:`~lightning_determinism.invariance.tree`). A process sums its ``K`` leaves (a subtree); the subtrees are then
+  added by chunks, each process adding its ``1/W`` of the gradient in the tree's order (a ring all-reduce's volume).
+  DDP's own all-reduce does not run; under FSDP2 each pass's leaves are added inside its reduce-scatter
+  (:mod:`~lightning_determinism.invariance.fsdp`). With ``M`` and ``W`` powers of two, the ``1/K`` loss scaling of
   Lightning's gradient accumulation and the final ``1/W`` are exact;
 - **kernels**: intra-op threads are pinned per process (CPU reductions may split across threads differently).
 
@@ -29,7 +32,7 @@ from torch.utils.data import Sampler
 
 from lightning_determinism._compat.access import wrapped_sampler
 from lightning_determinism._compat.checks import BatchNorm, update_dataloader
-from lightning_determinism.invariance.tree import GradientTree, pair_groups
+from lightning_determinism.invariance.tree import GradientTree
 from lightning_determinism.seeding.seeds import StepSeeds, derive_seed
 
 
@@ -91,11 +94,15 @@ class InvariantSampler(Sampler[int]):
     Examples:
         >>> [list(InvariantSampler(8, 4, 2, world_size=2, rank=r, seed=0, shuffle=False)) for r in (0, 1)]
         [[0, 1, 4, 5], [2, 3, 6, 7]]
+        >>> [list(InvariantSampler(8, 8, 2, world_size=2, rank=r, seed=0, shuffle=False, strided=True)) for r in (0, 1)]
+        [[0, 1, 4, 5], [2, 3, 6, 7]]
+        >>> list(InvariantSampler(8, 8, 2, world_size=2, rank=0, seed=0, shuffle=False))  # contiguous: 0 and 1
+        [0, 1, 2, 3]
     """
 
     def __init__(
         self, length: int, global_batch_size: int, micro_batch_size: int, world_size: int, rank: int, seed: int,
-        shuffle: bool = True,
+        shuffle: bool = True, strided: bool = False,
     ) -> None:  # fmt: skip
         if length % global_batch_size:
             raise ValueError(
@@ -106,6 +113,7 @@ class InvariantSampler(Sampler[int]):
         self.length, self.batch, self.micro = length, global_batch_size, micro_batch_size
         self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
         self.per_rank = global_batch_size // world_size  # samples of one step on one rank
+        self.strided = strided  # micro-batches j*W + r (FSDP2) instead of r*K .. r*K + K - 1
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -123,9 +131,15 @@ class InvariantSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = self.order()
         mine: list[int] = []
+        passes = self.per_rank // self.micro  # K
         for start in range(0, self.length, self.batch):  # one optimizer step: B samples
-            first = start + self.rank * self.per_rank
-            mine.extend(order[first : first + self.per_rank])
+            if not self.strided:
+                first = start + self.rank * self.per_rank
+                mine.extend(order[first : first + self.per_rank])
+                continue
+            for j in range(passes):
+                first = start + (j * self.world_size + self.rank) * self.micro
+                mine.extend(order[first : first + self.micro])
         return iter(mine)
 
     def __len__(self) -> int:
@@ -205,12 +219,12 @@ class InvariantTraining:
         self.world_size = 1
         self.rank = 0
         self.base_seed = 0
-        self._groups: list = []
         self._tree: GradientTree | None = None
         self._passes_in_window = 0
         self._seeds = StepSeeds(self.base_seed, "micro-batch")  # micro_batch_seed, the step's hash state kept
         self._in_fsdp = False  # FSDP2's reduce-scatter sums over the tree (invariance.fsdp), not the GradientTree
         self._positive_zeros = False  # under ModelParallelStrategy: the tree's sums end with + 0.0, as FSDP2's do
+        self._strided = False  # under FSDP2 on several processes: rank r runs micro-batches j*W + r
 
     @property
     def per_rank(self) -> int:
@@ -253,7 +267,6 @@ class InvariantTraining:
         self.rank, self.world_size, self.base_seed = rank, world_size, base_seed
         self._seeds = StepSeeds(base_seed, "micro-batch")
         torch.set_num_threads(self.threads)
-        self._groups = pair_groups(world_size) if world_size > 1 else []
 
     def set_base_seed(self, base_seed: int) -> None:
         """A base seed settled after :meth:`setup_environment` (Fabric: a ``seed_everything`` after ``launch()``)."""
@@ -272,6 +285,7 @@ class InvariantTraining:
         """Sum the gradients of ``module``'s ``FSDPModule``s over the tree inside FSDP2's reduce-scatter.
 
         On one process FSDP2 reduces nothing: the :class:`GradientTree` sums the (whole) sharded gradients there.
+        On several, rank ``r`` runs micro-batches ``j*W + r`` from now on (the training loader is not built yet).
 
         Returns:
             The number of ``FSDPModule``s.
@@ -281,9 +295,8 @@ class InvariantTraining:
         self._positive_zeros = True  # one process sums in the GradientTree: its zeros as FSDP2's are, positive
         if self.world_size == 1:
             return len(fsdp_modules(module))
-        count = install_tree_reduce_scatter(module, self.last_micro_batch, self.per_rank, self.rank, self.world_size,
-                                            groups=self._groups)  # fmt: skip
-        self._in_fsdp = count > 0
+        count = install_tree_reduce_scatter(module, self.last_micro_batch, self.per_rank, self.world_size)
+        self._in_fsdp = self._strided = count > 0
         return count
 
     def setup(self, trainer: Any) -> None:
@@ -296,6 +309,7 @@ class InvariantTraining:
         self._passes_in_window = 0
         self._in_fsdp = False
         self._positive_zeros = False
+        self._strided = False
 
     def check_module(self, module: torch.nn.Module) -> None:
         """Refuse layers whose state depends on the rank's micro-batches, and manual optimization."""
@@ -318,7 +332,8 @@ class InvariantTraining:
         Before the step's last micro-batch, its backward is set to overlap with the communication
         (:meth:`~lightning_determinism.invariance.tree.GradientTree.arm`).
         """
-        index = self.rank * self.per_rank + self._passes_in_window
+        passes = self._passes_in_window
+        index = passes * self.world_size + self.rank if self._strided else self.rank * self.per_rank + passes
         reseed_for_micro_batch(self._seeds(global_step, index))
         self._passes_in_window += 1
         if self._passes_in_window == self.per_rank and self._tree is not None:
@@ -356,6 +371,7 @@ class InvariantTraining:
             rank,
             self.base_seed,
             shuffle,
+            strided=self._strided,
         )
         return update_dataloader(dataloader, new)
 
@@ -372,7 +388,7 @@ class InvariantTraining:
                 self._passes_in_window = 0
             return
         if self._tree is None:
-            self._tree = GradientTree(parameters, self.per_rank, self._groups, self.rank)
+            self._tree = GradientTree(parameters, self.per_rank, self.world_size, self.rank)
             self._tree.positive_zeros = self._positive_zeros
         self._tree.add_leaf()
         if self._tree.added < self.per_rank:

@@ -2,15 +2,22 @@
 
 The leaves are the micro-batch gradients of one optimizer step, in micro-batch order ``0 .. M-1`` (``M`` a power of
 two). Their sum is the balanced pairwise tree: ``((g0 + g1) + (g2 + g3)) + ...``. A process holding the contiguous
-leaves ``r*K .. r*K + K - 1`` (``K = M / W``, a power of two) computes its subtree as the leaves arrive, then the
-processes climb the tree together: at level ``l`` process ``r`` and ``r XOR 2**l`` add their two subtrees with a
-two-process ``all_reduce`` -- a single addition per element, and ``a + b == b + a`` bit for bit, so both get the same
-parent. After ``log2(W)`` levels every process holds the root: exactly the sum one process computes on its own.
+leaves ``r*K .. r*K + K - 1`` (``K = M / W``, a power of two) computes its subtree as the leaves arrive; the ``W``
+subtrees are then added over the tree's top ``log2(W)`` levels by chunks
+(:class:`~lightning_determinism.invariance.exchange.ChunkExchange`): one ``all_to_all`` gives each process the
+``1/W`` of the gradient it owns from every process, it adds those ``W`` subtrees in the tree's order, and one
+``all_gather`` returns every chunk to every process. Every element is added exactly as one process adds it: the sum
+is the one-process tree's, bit for bit (and 0.1.0's, whose processes climbed the same levels with two-process
+all-reduces of the whole gradient).
+
+Cost per process and optimizer step, for ``N`` gradient bytes: ``2 (W - 1) / W * N`` sent (a ring all-reduce's
+volume; 0.1.0 sent ``log2(W) * N``), two collective rounds per bucket whatever ``W``, the first started during the
+step's last backward, bucket by bucket, as DDP's buckets are. Memory: the ``log2(K) + 1`` sets of subtree sums live in
+the gradient tensors autograd allocated; a bucket of several parameters (or of a size ``W`` does not divide) is
+copied into one flat vector, and each bucket's receive buffer lives until its chunk is summed.
 
 Sums are taken in the gradients' own dtype (float32): the tree's error grows with ``log2(M)``, not with ``M`` as the
-sequential accumulation of DDP does (``benchmarks/invariance.py`` measures both against float64). The sums live in
-the gradient tensors autograd allocated (at most ``log2(K) + 1`` sets at once); only buckets of several small
-parameters are copied into a flat vector for their communication.
+sequential accumulation of DDP does (``benchmarks/invariance.py`` measures both against float64).
 
 This module is a leaf: it knows ``torch.distributed``, not Lightning.
 """
@@ -24,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_determinism.invariance.exchange import ChunkExchange, padded_numel
 
 BUCKET_BYTES = 4 * 2**20
 """Gradient bytes per bucket of the overlapped communication (smaller than DDP's 25 MB: more of it can overlap)."""
@@ -61,43 +70,26 @@ def tree_sum(tensors: Sequence[Tensor]) -> Tensor:
     return level[0]
 
 
-def pair_groups(world_size: int) -> list[dict[int, object]]:
-    """For each level of the tree above the processes, every process's two-process group (created on every rank).
-
-    ``dist.new_group`` must be called by all processes for every group, in the same order: this does it.
-    """
-    levels: list[dict[int, object]] = []
-    span = 1
-    while span < world_size:
-        groups: dict[int, object] = {}
-        for rank in range(world_size):
-            partner = rank ^ span
-            if rank < partner:
-                group = dist.new_group(ranks=[rank, partner])
-                groups[rank] = groups[partner] = group
-        levels.append(groups)
-        span *= 2
-    return levels
-
-
 class GradientTree:
     """One process's part of the fixed tree over an optimizer step's micro-batch gradients.
 
     The tree is kept per parameter, in the gradient tensors autograd allocated: a leaf takes each parameter's
     ``.grad`` (and clears it, so that the next backward allocates a new one), and a right child is added in place
-    into its left sibling. Nothing is copied, except the buckets of several small parameters, which are gathered
-    into one flat vector for their ``all_reduce``.
+    into its left sibling. At the step's end the processes' subtrees are added by chunks
+    (:class:`~lightning_determinism.invariance.exchange.ChunkExchange`), bucket by bucket; a bucket is sent from its
+    parameter's own tensor where it is one parameter that ``W`` divides, else from a flat copy.
 
     Args:
         parameters: the parameters whose gradients are summed, in a fixed order.
         leaves: ``K``, this process's micro-batches per step (a power of two).
-        groups: :func:`pair_groups` of the world (empty for one process).
+        world_size: ``W``, the processes (a power of two).
         rank: this process's rank.
+        group: the process group of the ``W`` processes (``None``: the default one).
         bucket_bytes: gradient bytes per bucket of communication.
 
     Examples:
         >>> p = torch.nn.Parameter(torch.zeros(2))
-        >>> tree = GradientTree([p], leaves=2, groups=[], rank=0)
+        >>> tree = GradientTree([p], leaves=2)
         >>> for g in ([1.0, 2.0], [3.0, 4.0]):
         ...     p.grad = torch.tensor(g)
         ...     tree.add_leaf()
@@ -110,25 +102,26 @@ class GradientTree:
         self,
         parameters: Sequence[torch.nn.Parameter],
         leaves: int,
-        groups: list,
-        rank: int,
+        world_size: int = 1,
+        rank: int = 0,
+        group: Any = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self.parameters = list(parameters)
-        self.leaves, self.groups, self.rank = leaves, groups, rank
+        self.leaves, self.world_size, self.rank, self.group = leaves, world_size, rank, group
         self.positive_zeros = False  # set under FSDP2: its sum of a step's gradients has no -0.0 (invariance.fsdp)
         self._stack: list[tuple[int, list[Tensor]]] = []
         self.added = 0
         self._buckets = _buckets(self.parameters, bucket_bytes)
         self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
-        self._staging: dict[int, Tensor] = {}  # flat vectors of the buckets of several parameters
+        self._staging: dict[int, Tensor] = {}  # flat vectors of the buckets that are not one parameter's tensor
         # The overlapped last leaf (see arm()): what each bucket still waits for, the sums it closed per parameter,
-        # the tensor each bucket reduces, the hooks, the started all_reduce handles.
+        # the flat tensor each bucket sends, the hooks, the started exchanges.
         self._pending: list[int] = []
         self._final: list[Tensor] = []
-        self._roots: list[Tensor | None] = []
+        self._sent: list[Tensor | None] = []
         self._hooks: list[Any] = []
-        self._handles: list[Any] = []
+        self._exchanges: list[ChunkExchange] = []
 
     def _take(self, index: int) -> Tensor:
         """Parameter ``index``'s gradient, from now on the tree's; a parameter without one contributes zeros."""
@@ -138,18 +131,18 @@ class GradientTree:
         return torch.zeros_like(p) if grad is None else grad
 
     def arm(self) -> None:
-        """Overlap the coming micro-batch, the step's last, with the first level of communication.
+        """Overlap the coming micro-batch, the step's last, with the exchange's first round.
 
-        Each bucket of parameters (filled in the backward's order) is added into the tree and its ``all_reduce``
-        with the partner process started as soon as the backward has produced all its gradients, while the backward
-        goes on with the next ones (as DDP's buckets do). The additions and their order are those of
-        :meth:`add_leaf`: the bits do not change. Without other processes there is nothing to overlap.
+        Each bucket of parameters (filled in the backward's order) is added into the tree and its ``all_to_all``
+        started as soon as the backward has produced all its gradients, while the backward goes on with the next ones
+        (as DDP's buckets are). The additions and their order are those of :meth:`add_leaf`: the bits do not change.
+        Without other processes there is nothing to overlap.
         """
-        if not self.groups or self._hooks or self.added != self.leaves - 1:
+        if self.world_size == 1 or self._hooks or self.added != self.leaves - 1:
             return
         self._pending = [len(members) for members in self._buckets]
         self._final = [torch.empty(0)] * len(self.parameters)
-        self._roots = [None] * len(self._buckets)
+        self._sent = [None] * len(self._buckets)
         for index, p in enumerate(self.parameters):
             self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._ready, index)))
 
@@ -166,7 +159,7 @@ class GradientTree:
             self._flush(bucket)
 
     def _flush(self, bucket: int) -> None:
-        """Add one bucket's gradients as the last leaf and start the bucket's first-level ``all_reduce``."""
+        """Add one bucket's gradients as the last leaf and start the bucket's ``all_to_all``."""
         self._pending[bucket] = -1  # done
         for i in self._buckets[bucket]:
             # The last leaf closes every open subtree: the same in-place additions as add_leaf, on this parameter.
@@ -177,22 +170,25 @@ class GradientTree:
                 value = left[i].add_(value)  # left + right, in place in the left subtree's tensor
                 level += 1
             self._final[i] = value
-        self._roots[bucket] = self._gather(bucket, self._final)
+        self._sent[bucket] = self._gather(bucket, self._final)
         # Collectives start in bucket order on every process (as DDP's do), whatever order the buckets filled in.
-        while len(self._handles) < len(self._buckets) and self._roots[len(self._handles)] is not None:
-            root = self._roots[len(self._handles)]
-            self._handles.append(dist.all_reduce(root, group=self.groups[0][self.rank], async_op=True))
+        while len(self._exchanges) < len(self._buckets) and self._sent[len(self._exchanges)] is not None:
+            self._exchanges.append(self._exchange(self._sent[len(self._exchanges)]))  # type: ignore[arg-type]
+
+    def _exchange(self, flat: Tensor) -> ChunkExchange:
+        return ChunkExchange(flat, self.world_size, group=self.group, tree=True)
 
     def _gather(self, bucket: int, sums: Sequence[Tensor]) -> Tensor:
-        """What carries ``bucket`` through its ``all_reduce``: a lone parameter's own sum, else a flat copy."""
+        """What carries ``bucket`` through the exchange: a lone parameter's own sum, else a flat (padded) copy."""
         members = self._buckets[bucket]
-        if len(members) == 1 and sums[members[0]].is_contiguous():
-            return sums[members[0]]
+        lone = sums[members[0]]
+        if len(members) == 1 and lone.is_contiguous() and lone.numel() % self.world_size == 0:
+            return lone.view(-1)
         flat = self._staging.get(bucket)
         if flat is None:
             first = self.parameters[members[0]]
-            numel = sum(self.parameters[i].numel() for i in members)
-            flat = self._staging[bucket] = torch.empty(numel, dtype=first.dtype, device=first.device)
+            numel = padded_numel(sum(self.parameters[i].numel() for i in members), self.world_size)
+            flat = self._staging[bucket] = torch.zeros(numel, dtype=first.dtype, device=first.device)
         offset = 0
         for i in members:
             n = self.parameters[i].numel()
@@ -201,25 +197,23 @@ class GradientTree:
         return flat
 
     def _scatter(self, bucket: int, reduced: Tensor | None, sums: Sequence[Tensor], divide_by: int) -> None:
-        """Divide a bucket's reduced sums exactly and set them as the gradients, each in its parameter's tensor.
+        """Set a bucket's mean gradients, each in its parameter's tensor.
 
-        ``reduced`` is what :meth:`_gather` gave (``None`` without other processes: the sums are in place).
+        ``reduced``: the exchanged flat tensor, divided already (``None`` without other processes: the sums are in
+        place and are divided here, exactly, by a power of two).
         """
         flat = reduced if reduced is not None and reduced is self._staging.get(bucket) else None
         offset = 0
         for i in self._buckets[bucket]:
             p, total = self.parameters[i], sums[i]
             if flat is not None:  # a flat copy: back into the parameter's own tensor
-                part = flat[offset : offset + p.numel()].view(p.shape)
+                total.copy_(flat[offset : offset + p.numel()].view(p.shape))
                 offset += p.numel()
-                if divide_by == 1:
-                    total.copy_(part)
-                else:
-                    torch.div(part, divide_by, out=total)  # a power of two: exact
-            elif divide_by != 1:
-                total.div_(divide_by)
-            if self.positive_zeros:
-                total.add_(0.0)  # -0.0 -> 0.0, as FSDP2's sharded gradients 0 + ... + g are (invariance.fsdp)
+            elif reduced is None:
+                if divide_by != 1:
+                    total.div_(divide_by)
+                if self.positive_zeros:
+                    total.add_(0.0)  # -0.0 -> 0.0, as FSDP2's sharded gradients 0 + ... + g are (invariance.fsdp)
             p.grad = total
 
     def add_leaf(self) -> None:
@@ -248,7 +242,7 @@ class GradientTree:
         self.added += 1
 
     def finish(self, divide_by: int) -> None:
-        """Climb the tree with the other processes, divide the root exactly, and set it as the gradients.
+        """Add the processes' subtrees by chunks, divide the root exactly, and set it as the gradients.
 
         Raises:
             RuntimeError: if this process took another number of leaves than it owns.
@@ -258,20 +252,18 @@ class GradientTree:
                 f"the gradient tree took {self.added} micro-batches in this step, expected {self.leaves}"
             )
         _, sums = self._stack.pop()
-        handles, self._handles = self._handles, []
-        levels = self.groups[1:] if handles else self.groups  # the first level ran during the backward
-        for bucket in range(len(self._buckets)):
-            reduced = None
-            if handles:
-                handles[bucket].wait()
-                reduced = self._roots[bucket]
-            elif self.groups:
-                reduced = self._gather(bucket, sums)
-            for groups in levels:  # two processes per level: one addition, commutative
-                dist.all_reduce(reduced, group=groups[self.rank])  # type: ignore[arg-type]
-            self._scatter(bucket, reduced, sums, divide_by)
-        self._roots = []
+        exchanges, self._exchanges, self._sent = self._exchanges, [], []
         self.added = 0
+        if self.world_size == 1:
+            for bucket in range(len(self._buckets)):
+                self._scatter(bucket, None, sums, divide_by)
+            return
+        if not exchanges:  # not overlapped: every bucket's all_to_all starts now, in bucket order
+            exchanges = [self._exchange(self._gather(bucket, sums)) for bucket in range(len(self._buckets))]
+        for exchange in exchanges:  # each bucket's all_gather starts as soon as its chunk is summed
+            exchange.reduce(divide_by, self.positive_zeros)
+        for bucket, exchange in enumerate(exchanges):
+            self._scatter(bucket, exchange.wait(), sums, divide_by)
 
 
 class PairwiseAllReduce:
@@ -280,10 +272,10 @@ class PairwiseAllReduce:
     A ring all-reduce over more than two processes adds each element's ``W`` terms in an order set by the chunk of the
     flat bucket the element falls in; DDP rebuilds its buckets after the first step of every run (in the order the
     gradients became ready), so the first steps of a resumed run put gradients elsewhere than the uninterrupted run,
-    and their sums differ in the last bits. Here every bucket climbs the tree of :func:`pair_groups` instead (a
-    power-of-two ``W``; a single addition per element and level): ``(g0 + g1) + (g2 + g3)`` wherever it sits. Other
-    process counts gather every process's bucket and add them in rank order. Each bucket is divided by ``W`` first, as
-    DDP's default hook does.
+    and their sums differ in the last bits. Here every element's ``W`` terms are added in one fixed order wherever it
+    sits, by chunks (:class:`~lightning_determinism.invariance.exchange.ChunkExchange`: a ring all-reduce's volume,
+    two rounds): the balanced tree ``(g0 + g1) + (g2 + g3)`` for a power-of-two ``W``, rank order otherwise. Each
+    bucket is divided by ``W`` first, as DDP's default hook does.
 
     Args:
         world_size: the number of processes (more than two: with two, DDP's own sum is one addition already).
@@ -293,22 +285,22 @@ class PairwiseAllReduce:
     def __init__(self, world_size: int, rank: int) -> None:
         self.world_size, self.rank = world_size, rank
         self.power_of_two = world_size & (world_size - 1) == 0
-        self.levels = pair_groups(world_size) if self.power_of_two else []
 
     def reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-        """Reduce ``bucket`` in place (blocking: each level waits for the one below)."""
+        """Reduce ``bucket`` in place (blocking: the chunks are summed between the two rounds)."""
         buffer = bucket.buffer()
         buffer.div_(self.world_size)
-        if self.power_of_two:
-            for groups in self.levels:
-                dist.all_reduce(buffer, group=groups[self.rank])  # type: ignore[arg-type]
-        else:
-            parts = [torch.empty_like(buffer) for _ in range(self.world_size)]
-            dist.all_gather(parts, buffer)
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total.add_(part)
-            buffer.copy_(total)
+        numel = buffer.numel()
+        flat = buffer if numel % self.world_size == 0 else torch.zeros(
+            padded_numel(numel, self.world_size), dtype=buffer.dtype, device=buffer.device
+        )  # fmt: skip
+        if flat is not buffer:
+            flat[:numel].copy_(buffer)
+        exchange = ChunkExchange(flat, self.world_size, tree=self.power_of_two)
+        exchange.reduce()
+        total = exchange.wait()
+        if total is not buffer:
+            buffer.copy_(total[:numel])
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         future.set_result(buffer)
         return future
@@ -321,4 +313,4 @@ PairwiseAllReduce.reduce.__annotations__ = {
     "return": torch.futures.Future[torch.Tensor],
 }
 
-__all__ = ["GradientTree", "PairwiseAllReduce", "pair_groups", "tree_sum"]
+__all__ = ["GradientTree", "PairwiseAllReduce", "tree_sum"]

@@ -15,7 +15,7 @@ def bits(t: torch.Tensor) -> list[int]:
 def test_the_tree_is_the_pairwise_sum_of_its_leaves_bit_for_bit(leaves):
     gen = torch.Generator().manual_seed(leaves)
     params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 3))]
-    tree = GradientTree(params, leaves=leaves, groups=[], rank=0)
+    tree = GradientTree(params, leaves=leaves)
     taken = []
     for leaf in range(leaves):
         grads = []

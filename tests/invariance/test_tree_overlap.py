@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_determinism.invariance.tree import GradientTree, pair_groups, tree_sum
+from lightning_determinism.invariance.tree import GradientTree, tree_sum
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -37,18 +37,17 @@ def _step(model, tree, rank, overlap):
         loss = model(_micro_batch(rank, leaf)).square().mean() / LEAVES
         loss.backward()
         if tree._hooks:
-            flushed_during_backward = sum(1 for root in tree._roots if root is not None)
+            flushed_during_backward = len(tree._exchanges)  # all_to_alls started during the backward
         tree.add_leaf()
     tree.finish(divide_by=2)
     return flushed_during_backward, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def _overlapped_equals_plain(rank, world_size, out_dir):
-    groups = pair_groups(world_size)
     results = {}
     for overlap in (False, True):
         model = _model()
-        tree = GradientTree(list(model.parameters()), LEAVES, groups, rank, bucket_bytes=200)  # several buckets
+        tree = GradientTree(list(model.parameters()), LEAVES, world_size, rank, bucket_bytes=200)  # several buckets
         results[overlap] = _step(model, tree, rank, overlap)
     # Reference: every micro-batch gradient of both processes, summed by the one-process tree, halved.
     model = _model()
@@ -60,7 +59,7 @@ def _overlapped_equals_plain(rank, world_size, out_dir):
             leaves.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
     reference = tree_sum(leaves) / world_size
     record = {
-        "buckets": len(GradientTree(list(model.parameters()), LEAVES, groups, rank, bucket_bytes=200)._buckets),
+        "buckets": len(GradientTree(list(model.parameters()), LEAVES, world_size, rank, bucket_bytes=200)._buckets),
         "flushed_during_backward": results[True][0],
         "overlapped_equals_plain": torch.equal(results[True][1], results[False][1]),
         "equals_reference": torch.equal(results[True][1], reference),
