@@ -35,7 +35,8 @@ class WorkerSeedCallback(Callback):
             :func:`~lightning_determinism.set_seed`.
         per_sample: also run each ``dataset[i]`` under RNG state derived from ``(base, epoch, i)`` so a sample's
             augmentation is independent of ``num_workers``, batch size and world size. Needs a map-style dataset
-            and automatic batching (``batch_size`` not ``None``).
+            and automatic batching (``batch_size`` not ``None``). World-size-invariant training refuses
+            ``per_sample=False``: a worker's stream follows the rank that loads a sample.
 
     Raises:
         TypeError: if ``seed`` is not an integer.

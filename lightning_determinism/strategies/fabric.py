@@ -82,7 +82,9 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         debug_mode: backend flags, as in :func:`~lightning_determinism.configure_determinism`.
         topology: model-parallel degrees (a dict) or a :class:`~lightning_determinism.parallel.topology.Topology`.
         seed_workers: seed the workers, shuffle and generator of every loader passed to ``fabric.setup_dataloaders``.
-        per_sample: also run each ``dataset[i]`` under RNG state derived from ``(base, epoch, i)``.
+        per_sample: also run each ``dataset[i]`` under RNG state derived from ``(base, epoch, i)``. ``None`` (the
+            default): on in world-size-invariant training, where per-worker streams would follow the rank that loads
+            a sample (``False`` with ``seed_workers`` is refused there), off otherwise.
         global_batch_size: ``B``, samples per optimizer step over all processes; with ``micro_batch_size`` it turns on
             world-size-invariant training in a loop that marks its micro-batches
             (:mod:`~lightning_determinism.strategies.fabric_invariant`; DDP and one device).
@@ -105,7 +107,7 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
         debug_mode: Any = "error",
         topology: Topology | dict[str, Any] | None = None,
         seed_workers: bool = True,
-        per_sample: bool = False,
+        per_sample: bool | None = None,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         invariant_threads: int = 1,
@@ -125,8 +127,16 @@ class DeterministicFabricStrategyMixin(AtomicCheckpointIOMixin, SeedingPropertie
                 )
             self._ldet_invariant = FabricInvariantLoop(invariant, marks_micro_batches=isinstance(self, DDPStrategy))
         for name, value in (("seed_workers", seed_workers), ("per_sample", per_sample)):
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and not (name == "per_sample" and value is None):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}")
+        if per_sample is None:
+            per_sample = invariant is not None
+        elif invariant is not None and seed_workers and not per_sample:
+            raise ValueError(
+                "world-size-invariant training (`global_batch_size`, `micro_batch_size`) needs `per_sample=True` (the"
+                " default there), got `per_sample=False`: per-worker seeds follow the rank that loads a sample, so the"
+                " weights would change with the number of processes"
+            )
         self.seed_workers, self.per_sample = seed_workers, per_sample
         self._ldet_seeding: LoaderSeeding | None = None
         self._ldet_model_ready = False

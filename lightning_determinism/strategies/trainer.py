@@ -147,6 +147,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         if self.invariant is not None and trainer.state.fn == "fit" and module is not None:
             world_size = self._ldet_planned_world_size()
             self.invariant.check_before_launch(world_size, trainer.accumulate_grad_batches, module)
+            refuse_per_worker_seeds(trainer)
 
     @override
     def setup_environment(self) -> None:  # type: ignore[misc]
@@ -217,6 +218,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         if self.invariant is not None:
             self.invariant.setup(trainer)  # before configure_optimizers reads `estimated_stepping_batches`
             self.invariant.check_module(trainer.lightning_module)
+            if trainer.state.fn == "fit":
+                refuse_per_worker_seeds(trainer)
         super().setup(trainer)  # type: ignore[misc]
         # The total norm of clipping summed exactly: the same bits on any sharding. Under a device mesh always: torch's
         # norm of tensor-parallel and FSDP2 gradients on two meshes fails outright, and sums shards in their order.
@@ -364,6 +367,25 @@ class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDevice
         >>> DeterministicSingleDeviceStrategy(seed=5, device="cpu").root_device
         device(type='cpu')
     """
+
+
+def refuse_per_worker_seeds(trainer: pl.Trainer) -> None:
+    """Refuse a ``WorkerSeedCallback(per_sample=False)`` in world-size-invariant training.
+
+    Its workers draw from a (rank, worker, epoch) stream, so a sample's augmentation depends on which rank loads it:
+    the weights would change with the number of processes, with no word said.
+
+    Raises:
+        ValueError: naming ``WorkerSeedCallback(per_sample=True)``.
+    """
+    from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
+
+    if any(isinstance(cb, WorkerSeedCallback) and not cb.per_sample for cb in trainer.callbacks):
+        raise ValueError(
+            "world-size-invariant training (`global_batch_size`, `micro_batch_size`) needs"
+            " `WorkerSeedCallback(per_sample=True)`, got `per_sample=False`: per-worker seeds follow the rank that loads"
+            " a sample, so the weights would change with the number of processes"
+        )
 
 
 __all__ = [

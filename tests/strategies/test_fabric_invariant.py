@@ -212,6 +212,12 @@ def test_the_strategies_refuse_what_construction_can_refuse():
         _ = DeterministicFabricDDPStrategy(**INVARIANT).micro_batches_per_rank
     with pytest.raises(RuntimeError, match="pass `global_batch_size` and `micro_batch_size`"):
         _ = DeterministicFabricDDPStrategy().micro_batches_per_rank
+    # Per-worker seeds follow the rank that loads a sample: per-sample seeds are the invariant mode's default.
+    with pytest.raises(ValueError, match=r"needs `per_sample=True` \(the default there\), got `per_sample=False`"):
+        DeterministicFabricDDPStrategy(per_sample=False, **INVARIANT)
+    assert DeterministicFabricDDPStrategy(**INVARIANT).per_sample
+    assert not DeterministicFabricDDPStrategy().per_sample
+    assert not DeterministicFabricDDPStrategy(per_sample=False, seed_workers=False, **INVARIANT).per_sample
 
 
 @pytest.mark.parametrize(
