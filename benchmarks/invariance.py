@@ -3,8 +3,9 @@
 1. Median optimizer-step time of the invariant mode against `DeterministicDDPStrategy` with the same micro-batches
    (accumulate_grad_batches = K), for the tiny LM of examples/tiny_lm.py and a ~10M-parameter MLP (target <= 1.05x),
    and where the invariant mode's own time goes: local accumulation (taking each micro-batch's gradient into the
-   tree), all-reduce calls (starting the first level bucket by bucket during the last backward, and any level
-   above), finishing the tree (waiting for what the backward started, dividing the root, setting the gradients).
+   tree), exchange calls (starting each bucket's chunk exchange during the last backward, and the owner's sum and
+   all-gather when its chunks arrive), finishing the tree (waiting for what the backward started, dividing the root,
+   setting the gradients).
 2. Accuracy: the averaged gradient of one step against a float64 reference, for the invariant tree and for float32
    DDP (local accumulation in .grad, then a gloo all-reduce): the largest relative error over the gradient's elements
    (denominators at least 1e-3 of the largest) and the relative L2 error, worst over a few steps.
@@ -37,10 +38,11 @@ from tiny_lm import TinyLM, build_data  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Subset, TensorDataset  # noqa: E402
 
+import lightning_determinism.invariance.exchange as exchange  # noqa: E402
 import lightning_determinism.invariance.tree as tree  # noqa: E402
 from lightning_determinism import DeterministicDDPStrategy  # noqa: E402
 
-TIMES: dict[str, float] = {"local accumulation": 0.0, "all-reduce calls": 0.0, "finishing the tree": 0.0}
+TIMES: dict[str, float] = {"local accumulation": 0.0, "exchange calls": 0.0, "finishing the tree": 0.0}
 
 
 def _timed(name: str, fn):
@@ -58,16 +60,9 @@ def instrument() -> None:
     """Time the invariant mode's own steps (inherited by the forked ranks)."""
     tree.GradientTree.add_leaf = _timed("local accumulation", tree.GradientTree.add_leaf)
     tree.GradientTree.finish = _timed("finishing the tree", tree.GradientTree.finish)
-    tree.dist = _TimedDist()  # only the tree's own all-reduces, not the loop's logging or metric syncs
-
-
-class _TimedDist:
-    """torch.distributed as the tree module sees it, with its all-reduce timed."""
-
-    all_reduce = staticmethod(_timed("all-reduce calls", dist.all_reduce))
-
-    def __getattr__(self, name: str):
-        return getattr(dist, name)
+    # Starting the chunk exchange (all_to_all) and its second half (the owner's sum, then all_gather), bucket by bucket
+    exchange.ChunkExchange.reduce = _timed("exchange calls", exchange.ChunkExchange.reduce)
+    tree.ChunkExchange = _timed("exchange calls", exchange.ChunkExchange)
 
 
 class StepClock(L.Callback):

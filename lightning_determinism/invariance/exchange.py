@@ -9,7 +9,8 @@ on every rank, and the same bits as 0.1.0's climb of two-process all-reduces ove
 
 Cost per rank, for ``N`` bytes: ``(W - 1) / W * N`` sent by the ``all_to_all`` and as much by the ``all_gather`` --
 ``2 (W - 1) / W * N``, a ring all-reduce's volume -- in two collective rounds whatever ``W`` (the tree of two-process
-all-reduces sent ``log2(W) * N`` in ``log2(W)`` rounds). Memory: one receive buffer of ``N`` while the chunk is
+all-reduces sent ``log2(W) * N`` in ``log2(W)`` rounds). On two ranks, where each sum is one addition, the backend's
+all-reduce sends the same ``N`` in one round. Memory: one receive buffer of ``N`` while the chunk is
 summed. Both collectives exist in gloo and NCCL (``all_to_all_single``, ``all_gather_single`` /
 ``all_gather_into_tensor``).
 
@@ -73,6 +74,9 @@ def all_gather_flat(output: Tensor, chunk: Tensor, group: Any = None, async_op: 
 class ChunkExchange:
     """One flat tensor summed over the ranks by chunks; started at construction, the ``all_to_all`` in flight.
 
+    On two ranks each element's sum is one addition, the same bits in either order: the backend's all-reduce gives
+    it in one round (the same volume, all of it overlapped where the exchange starts during a backward).
+
     Args:
         flat: this rank's term, ``W * c`` elements; it receives the sum (all chunks) when :meth:`wait` returns.
         world_size: ``W``, the ranks of ``group``.
@@ -92,7 +96,10 @@ class ChunkExchange:
         self.flat, self.world_size, self.group, self.tree = flat, world_size, group, tree
         self._received: Tensor | None = None
         self._work: Any = None
-        if world_size > 1:
+        self._summed_by_backend = world_size == 2
+        if self._summed_by_backend:  # one addition per element, a + b = b + a: the backend's all-reduce, one round
+            self._work = dist.all_reduce(flat, group=group, async_op=True)
+        elif world_size > 1:
             self._received = torch.empty_like(flat)
             self._work = dist.all_to_all_single(self._received, flat, group=group, async_op=True)
 
@@ -101,7 +108,11 @@ class ChunkExchange:
 
         ``positive_zeros``: end with ``+ 0.0`` (``-0.0`` becomes ``0.0``), element-wise, as FSDP2's sums are.
         """
-        if self._received is None:
+        if self._summed_by_backend:
+            self._work.wait()
+            self._work = None
+            mine = self.flat
+        elif self._received is None:
             mine = self.flat
         else:
             self._work.wait()

@@ -11,10 +11,11 @@ is the one-process tree's, bit for bit (and 0.1.0's, whose processes climbed the
 all-reduces of the whole gradient).
 
 Cost per process and optimizer step, for ``N`` gradient bytes: ``2 (W - 1) / W * N`` sent (a ring all-reduce's
-volume; 0.1.0 sent ``log2(W) * N``), two collective rounds per bucket whatever ``W``, the first started during the
-step's last backward, bucket by bucket, as DDP's buckets are. Memory: the ``log2(K) + 1`` sets of subtree sums live in
-the gradient tensors autograd allocated; a bucket of several parameters (or of a size ``W`` does not divide) is
-copied into one flat vector, and each bucket's receive buffer lives until its chunk is summed.
+volume; 0.1.0 sent ``log2(W) * N``), two collective rounds per bucket whatever ``W`` (one on two processes), the
+first started during the step's last backward, bucket by bucket, as DDP's buckets are. Memory: the ``log2(K) + 1``
+sets of subtree sums live in the gradient tensors autograd allocated; a bucket of several parameters (or of a size
+``W`` does not divide) is copied into one flat vector, and each bucket's receive buffer lives until its chunk is
+summed.
 
 Sums are taken in the gradients' own dtype (float32): the tree's error grows with ``log2(M)``, not with ``M`` as the
 sequential accumulation of DDP does (``benchmarks/invariance.py`` measures both against float64).

@@ -380,11 +380,11 @@ def refuse_per_worker_seeds(trainer: pl.Trainer) -> None:
     """
     from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
 
-    if any(isinstance(cb, WorkerSeedCallback) and not cb.per_sample for cb in trainer.callbacks):
+    if any(isinstance(cb, WorkerSeedCallback) and not cb.per_sample for cb in getattr(trainer, "callbacks", ())):
         raise ValueError(
             "world-size-invariant training (`global_batch_size`, `micro_batch_size`) needs"
-            " `WorkerSeedCallback(per_sample=True)`, got `per_sample=False`: per-worker seeds follow the rank that loads"
-            " a sample, so the weights would change with the number of processes"
+            " `WorkerSeedCallback(per_sample=True)`, got `per_sample=False`: per-worker seeds follow the rank that"
+            " loads a sample, so the weights would change with the number of processes"
         )
 
 

@@ -60,12 +60,13 @@ def _exchange_rank(rank, world_size, out_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_rank_gets_the_fixed_order_sum_bit_for_bit(tmp_path, world_size):
     run_distributed(_exchange_rank, tmp_path, tmp_path, world_size=world_size)
     for rank in range(world_size):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert record["other_order_differs"]  # the check can fail: the order shows in the bits
+        if world_size > 2:  # two terms: a + b = b + a
+            assert record["other_order_differs"]  # the check can fail: the order shows in the bits
         assert record["exchange"] and record["hook"], record
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_determinism import DeterministicDDPStrategy, DeterministicModelParallelStrategy, fingerprint
 from lightning_determinism._compat.checks import available
 from lightning_determinism._compat.features import INVARIANT_FSDP2
+from lightning_determinism.invariance.cost import reduction_cost
 from tests.helpers import collective_bytes, requires_feature
 from tests.helpers.lightning_models import quiet_trainer
 
@@ -180,6 +181,10 @@ def test_ddp_sends_at_most_1_1x_a_ring_all_reduce(fits, ranks):
     gradient = fits["ddp", ranks][0]["parameter_bytes"]
     assert stock == pytest.approx(2 * (ranks - 1) / ranks * gradient, rel=0.01)  # the wrapper saw DDP's all-reduce
     assert ours <= 1.1 * stock, (ours, stock, fits["ddp", ranks][0]["by_name"])
+    # the cost model the benchmark extrapolates with, against the count (padding to a multiple of W: < 1% here)
+    model = reduction_cost("ddp", "invariant", ranks, MICRO_BATCHES, gradient)
+    assert ours == pytest.approx(model.bytes_sent, rel=0.01)
+    assert set(fits["ddp", ranks][0]["by_name"]) <= {"all_to_all_single", "all_gather_single", "all_gather_into_tensor"}
     # 0.1.0's tree sent log2(W) whole gradients: 2x and 3x the gradient here, against a ring's 1.5x and 1.75x
     assert ours < math.log2(ranks) * gradient
 
@@ -203,3 +208,6 @@ def test_fsdp2_sends_at_most_1_1x_its_reduce_scatter_and_holds_log2_k_plus_1_sha
     # together, at most (log2(K) + 1) / W of the whole gradient (and its padding: 1% here)
     held = max(record["held_max"] for record in fits["fsdp2", ranks])
     assert 0 < held <= 1.01 * (math.log2(per_rank) + 1) * gradient / ranks
+    model = reduction_cost("fsdp2", "invariant", ranks, MICRO_BATCHES, gradient)
+    assert ours == pytest.approx(model.bytes_sent, rel=0.05)  # FSDP2 pads each parameter's dim 0 to W
+    assert held <= 1.01 * (model.gradient_bytes - gradient / ranks)  # the sharded gradient aside
