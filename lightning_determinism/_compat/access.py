@@ -196,6 +196,17 @@ def keep_ignored_after_teardown(trainer: Any, signums: Any) -> None:
         originals[signum] = signal.SIG_IGN
 
 
+def shut_down_training_workers(trainer: Any) -> None:
+    """Stop the training loader's worker processes now (its iterator dropped), as Lightning's teardown of a fit does.
+
+    Lightning tears down only the loop running when a fit stops: stopped in a validation pass, the training loop's
+    iterator (and its workers) would live on.
+    """
+    fetcher = _private(trainer.fit_loop, "_data_fetcher")
+    if fetcher is not None:
+        fetcher.teardown()
+
+
 def module_trainer(module: Any) -> Any:
     """The trainer a ``LightningModule`` is attached to, ``None`` if none (or no module)."""
     return None if module is None else _private(module, "_trainer")
@@ -342,6 +353,7 @@ def metric_defaults(metric: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "shut_down_training_workers",
     "accelerator_connector",
     "checkpoint_connector",
     "checkpoint_connector_class",

@@ -33,6 +33,7 @@ from lightning_determinism._compat.access import (
     accelerator_connector,
     keep_ignored_after_teardown,
     should_accumulate,
+    shut_down_training_workers,
     slurm_requeue,
 )
 from lightning_determinism._compat.checks import require
@@ -181,6 +182,10 @@ class PreemptionCheckpoint(Callback):
             )
         if self._requeue and signum == self._requeue_signal and trainer.is_global_zero:
             requeue_slurm_job()  # Lightning requeues only from its own handler, which saves with every rank
+        # Lightning's teardown stops the validation loader's workers, not the training loader's: they would keep the
+        # process from exiting (multiprocessing joins them, and the SIGTERM it sends them runs this callback's handler,
+        # which a forked worker inherited).
+        shut_down_training_workers(trainer)
         self._exit(trainer, signum)
 
     @override

@@ -9,6 +9,7 @@ be bitwise the uninterrupted one (`test_resume.py`'s straight run of the same co
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.distributed
 CONFIG = "2-ranks-persistent-workers"
 VALIDATION = "2-ranks-accumulate-own-sampler-validation"  # 2 optimizer steps per epoch
 MAIN_ONLY = "2-ranks-in-process-data"
+# A scheduler's grace period between its SIGTERM and its SIGKILL (SLURM's KillWait: 30 s by default), doubled for a
+# loaded 2-core machine: a preempted job must be gone by then.
+EXIT_GRACE_S = 60
 
 
 def _wait_for(paths, proc, what):
@@ -51,7 +55,8 @@ def jobs(tmp_path_factory):
     """Both preempted jobs side by side (each holds where the signal must come), then both requeues side by side.
 
     1. The job signalled as a whole at step 4 and again after its checkpoint.
-    2. The job signalled while every rank holds in batch 1 of the validation pass after epoch 1 (global step 4).
+    2. The job signalled while every rank holds in batch 1 of the validation pass after epoch 1 (global step 4); it
+       must exit within EXIT_GRACE_S, its training loader's workers alive during the pass.
     3. A fork job whose main process alone is signalled at step 3 (it passes the signal on to the ranks).
     """
     whole, validation = tmp_path_factory.mktemp("faults"), tmp_path_factory.mktemp("validation")
@@ -66,6 +71,12 @@ def jobs(tmp_path_factory):
     (whole / "released").write_text("")
     _wait_for([validation / "ready0", validation / "ready1"], second, "both ranks held in the validation pass")
     os.killpg(second.pid, signal.SIGTERM)
+    try:  # the training loader's workers (alive during validation) must not hold the exit
+        second.wait(timeout=EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(second.pid, signal.SIGKILL)
+        second.wait()
+    validation_exit = second.returncode
     _wait_for([main_only / "ready0", main_only / "ready1"], third, "both ranks reached step 3")
     third.send_signal(signal.SIGTERM)  # to the main process only: it forwards the signal to the forked ranks
     outputs = [proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for proc in (first, second, third)]
@@ -81,7 +92,7 @@ def jobs(tmp_path_factory):
     requeued = [(proc.communicate(timeout=CHILD_TIMEOUT_S)[0], proc.returncode) for proc in requeues]
     return {
         "whole": (whole, first.returncode, outputs[0], left, requeued[0]),
-        "validation": (validation, second.returncode, outputs[1], requeued[1]),
+        "validation": (validation, validation_exit, outputs[1], requeued[1]),
         "main-only": (main_only, third.returncode, outputs[2], requeued[2]),
     }
 
@@ -118,7 +129,7 @@ def test_a_signal_during_validation_saves_the_training_state_at_once_and_the_pas
     resume_runs, preempted_in_validation
 ):
     out, returncode, output, requeue = preempted_in_validation
-    assert returncode == 0, output[-4000:]
+    assert returncode == 0, output[-4000:]  # exited within EXIT_GRACE_S (else killed: -9), 2 training workers per rank
     # Saved in the pass, at its next batch (the ranks held in batch 1 of 4), not after its end.
     assert "during validation: the training state at step 4" in output
     assert int(torch.load(out / "preempted.ckpt", weights_only=True)["global_step"]) == 4

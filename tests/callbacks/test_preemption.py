@@ -1,8 +1,10 @@
 """PreemptionCheckpoint in one process: the signal, the step boundary, the checkpoint, the exit, SLURM's requeue."""
 
+import multiprocessing
 import os
 import signal
 
+import lightning as L
 import pytest
 import torch
 
@@ -200,3 +202,43 @@ def test_beside_on_exception_checkpoint_a_sigterm_saves_after_the_accumulation_w
     saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert saved["global_step"] == 2  # micro-batches 2 and 3 make step 2: saved after 3, not after 2
     assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 4
+
+
+class _SignalWithWorkers(L.LightningModule):
+    """Loaders with 2 workers each; sends itself SIGTERM in training batch 3 or in the first validation batch."""
+
+    def __init__(self, persistent: bool, where: str) -> None:
+        super().__init__()
+        self.net, self.persistent, self.where = torch.nn.Linear(4, 1), persistent, where
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "training" and batch_idx == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(batch[0]).square().mean()
+
+    def validation_step(self, batch, batch_idx):
+        if self.where == "validation" and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _loader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=self.persistent)
+
+    def train_dataloader(self):
+        return self._loader()
+
+    def val_dataloader(self):
+        return self._loader()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+@pytest.mark.parametrize("where", ["training", "validation"])
+def test_no_data_loader_worker_outlives_the_preemption_exit(tmp_path, persistent, where):
+    # multiprocessing's exit handler joins every child; the SIGTERM it sends a leftover worker first runs the handler
+    # the worker inherited (it only sets a flag), so a worker still running here would keep the process from exiting.
+    callback, _, code = _fit(tmp_path, _SignalWithWorkers(persistent, where), num_sanity_val_steps=0)
+    assert code == 0 and callback.path.exists()
+    assert multiprocessing.active_children() == []

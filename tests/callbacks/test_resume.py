@@ -33,14 +33,14 @@ CONFIGS = {
     # Gradient accumulation (3 steps per epoch on 1 rank, 2 on 2): each resume starts inside an accumulation window,
     # under ModelCheckpoint(every_n_train_steps=1), which must not save the resumed step again there. The same runs
     # leave the samplers to the user (use_distributed_sampler=False): their own DistributedSampler on 2 ranks, a
-    # RandomSampler with 2 workers (per-worker seeds, replayed) on 1; and validate after every epoch on 2 ranks (the
-    # uninterrupted run of test_faults.py's preemption during validation).
+    # RandomSampler with 2 workers (per-worker seeds, replayed) on 1; and validate after every epoch on 2 ranks with 2
+    # training workers each (the uninterrupted run of test_faults.py's preemption during validation).
     "1-rank-accumulate-own-sampler-workers": (
         {"DEVICES": "1", "WORKERS": "2", "PERSAMPLE": "0", "ACCUM": "2", "OWN_SAMPLER": "1"},
         [4],
     ),
     "2-ranks-accumulate-own-sampler-validation": (
-        {"DEVICES": "2", "WORKERS": "0", "ACCUM": "2", "OWN_SAMPLER": "1", "VALIDATE": "1"},
+        {"DEVICES": "2", "WORKERS": "2", "PERSAMPLE": "1", "ACCUM": "2", "OWN_SAMPLER": "1", "VALIDATE": "1"},
         [2],
     ),
 }
