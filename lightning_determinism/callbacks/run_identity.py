@@ -21,7 +21,7 @@ Fields (``None`` where the run has no such setting or it is not known):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_determinism.callbacks._resume_layout import _mesh_shape
@@ -34,12 +34,15 @@ _INVARIANT = ("global_batch_size", "micro_batch_size", "micro_batches_per_rank")
 
 
 def _scalar(value: Any) -> Any:
-    """A JSON-able copy of a hyper-parameter (tuples as lists, one-element tensors as numbers), else ``...``."""
+    """A JSON-able copy of a hyper-parameter (sequences as lists, one-element tensors as numbers), else ``...``.
+
+    Any sequence: Hydra's ``instantiate`` hands an optimizer its ``betas`` as a ``ListConfig``.
+    """
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence) and not isinstance(value, bytes):
         items = [_scalar(item) for item in value]
         return ... if any(item is ... for item in items) else items
     numel = getattr(value, "numel", None)

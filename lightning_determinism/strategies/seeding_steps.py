@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,25 @@ def _world_of(degrees: dict[str, Any]) -> int:
     return world
 
 
+def plain_topology(topology: Any) -> Any:
+    """A ``topology`` given as any mapping (Hydra's ``DictConfig``, a ``MappingProxyType``) as a plain dict.
+
+    Its sequences (``order``, Hydra's ``ListConfig``) become tuples: the dict pickles to spawned ranks and compares
+    equal to the mesh's own. Anything else is returned as it is.
+
+    Examples:
+        >>> from types import MappingProxyType
+        >>> plain_topology(MappingProxyType({"mp_degree": 2, "order": ["dp", "pp", "sharding", "sep", "mp"]}))
+        {'mp_degree': 2, 'order': ('dp', 'pp', 'sharding', 'sep', 'mp')}
+    """
+    if isinstance(topology, Topology) or not isinstance(topology, Mapping):
+        return topology
+    return {
+        key: tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+        for key, value in topology.items()
+    }
+
+
 class SeedingSteps:
     """One strategy's seeding: its arguments, checked now, and the two steps of the contract.
 
@@ -68,8 +88,11 @@ class SeedingSteps:
     def __init__(self, seed: int | None = None, debug_mode: Any = "error", topology: Any = None) -> None:
         self.seed = None if seed is None else check_seed(seed)
         self.debug_mode = normalize_debug_mode(debug_mode)
+        topology = plain_topology(topology)
         if topology is not None and not isinstance(topology, (Topology, dict)):
-            raise TypeError(f"`topology` must be a Topology, a dict of degrees or None, got {type(topology).__name__}")
+            raise TypeError(
+                f"`topology` must be a Topology, a mapping of degrees or None, got {type(topology).__name__}"
+            )
         if isinstance(topology, dict):
             Topology(0, _world_of(topology), **topology)  # validate the degrees now, not after launching
         self.topology_spec = topology

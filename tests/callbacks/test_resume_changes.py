@@ -256,3 +256,14 @@ def test_a_drawn_seed_takes_the_checkpoints_so_a_requeued_job_without_a_seed_con
             tmp_path, {"shuffle": True}, ckpt=root / "inv-shuffled" / "step=1.ckpt", seed=None, invariant=STEP8
         )
     assert resumed == shuffled[2:]  # after step 1's 2 micro-batches, every batch of the uninterrupted run, epoch 1 too
+
+
+def test_an_optimizer_hyper_parameter_from_a_hydra_config_is_part_of_the_identity():
+    # hydra.utils.instantiate hands the optimizer its sequences as ListConfig (its default `_convert_="none"`); Rprop
+    # keeps `etas` as given (Adam makes `betas` a tuple)
+    from lightning_determinism.callbacks.run_identity import optimizer_identity
+
+    etas = pytest.importorskip("omegaconf").OmegaConf.create([0.5, 1.2])
+    identity = optimizer_identity([torch.optim.Rprop(nn.Linear(2, 1).parameters(), etas=etas)])
+    assert identity["optimizer.etas"] == [0.5, 1.2]  # a resume with other etas is then said
+    assert json.loads(json.dumps(identity)) == identity  # JSON-able: it goes into checkpoints and log records

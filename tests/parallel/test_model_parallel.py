@@ -1,6 +1,7 @@
 """Tracker and topology on gloo ranks: tensor-parallel dropout, the device mesh, the strategy with a topology."""
 
 import json
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -54,8 +55,12 @@ def test_device_mesh_has_named_dimensions_matching_the_groups(tmp_path):
         assert record["mp_group"] == record["mp_world"] == [0, 1]
 
 
-def test_strategy_with_a_topology(tmp_path):
-    strategy = DeterministicDDPStrategy(seed=8, start_method="fork", topology={"mp_degree": 2})
+@pytest.mark.parametrize("given", ["dict", "DictConfig"])
+def test_strategy_with_a_topology(tmp_path, given):
+    topology = {"mp_degree": 2}
+    if given == "DictConfig":  # Hydra's form of a config's mapping (lightning-hydra-template passes it on as it is)
+        topology = pytest.importorskip("omegaconf").OmegaConf.create(topology)
+    strategy = DeterministicDDPStrategy(seed=8, start_method="fork", topology=topology)
     fit(strategy, tmp_path)
     records = read_records(tmp_path, 2)
     assert records[0]["init_digest"] == records[1]["init_digest"]  # initialisation still from the base seed
@@ -67,5 +72,11 @@ def test_strategy_with_a_topology(tmp_path):
 def test_topology_for_the_wrong_world_is_refused_early():
     with pytest.raises(ValueError, match="`mp_degree` must be a positive int"):
         DeterministicDDPStrategy(topology={"mp_degree": 0})
-    with pytest.raises(TypeError, match="`topology` must be a Topology, a dict of degrees or None"):
+    with pytest.raises(TypeError, match="`topology` must be a Topology, a mapping of degrees or None, got list"):
         DeterministicDDPStrategy(topology=[2])
+    # Any mapping is read as degrees, and checked as a dict is: a read-only one, a DictConfig (above)
+    with pytest.raises(ValueError, match="`mp_degree` must be a positive int"):
+        DeterministicDDPStrategy(topology=MappingProxyType({"mp_degree": 0}))
+    order = ["pp", "dp", "sharding", "sep", "mp"]
+    steps = DeterministicDDPStrategy(topology=MappingProxyType({"mp_degree": 2, "order": order}))._ldet_steps
+    assert steps.topology_spec == {"mp_degree": 2, "order": tuple(order)}
