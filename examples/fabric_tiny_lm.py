@@ -128,10 +128,9 @@ def train(args: argparse.Namespace) -> str:
         with torch.no_grad():
             for batch in val_loader:
                 logits = model(batch["input_ids"])
-                per_token = nn.functional.cross_entropy(
-                    logits.flatten(0, 1), batch["labels"].flatten(), reduction="none"
-                )
-                val_loss.update(per_token)
+                labels = batch["labels"].flatten()
+                per_token = nn.functional.cross_entropy(logits.flatten(0, 1), labels, reduction="none")
+                val_loss.update(per_token, mask=labels != -100)  # padding would count for nothing
                 val_ppl.update(logits, batch["labels"])
         fabric.print(f"epoch {epoch}: val/loss {val_loss.compute().item():.6f} val/ppl {val_ppl.compute().item():.6f}")
         val_loss.reset()

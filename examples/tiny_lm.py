@@ -130,8 +130,9 @@ class TinyLM(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch["input_ids"])
-        per_token = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
-        self.val_loss.update(per_token)
+        labels = batch["labels"].flatten()
+        per_token = nn.functional.cross_entropy(logits.flatten(0, 1), labels, reduction="none")
+        self.val_loss.update(per_token, mask=labels != -100)  # padding (none here) would count for nothing
         self.log("val/loss", self.val_loss, on_epoch=True)
         self.val_ppl.update(logits, batch["labels"])
         self.log("val/ppl", self.val_ppl, on_epoch=True)

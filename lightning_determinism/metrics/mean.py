@@ -47,14 +47,30 @@ def _as_weights(weight: Tensor | int | None, values: Tensor) -> Tensor | None:
     return w
 
 
+def _as_mask(mask: Tensor | None, values: Tensor) -> Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        shown = f"a {mask.dtype} tensor" if isinstance(mask, Tensor) else repr(mask)
+        raise TypeError(f"`mask` must be a bool tensor (True: counted), got {shown}")
+    try:
+        return torch.broadcast_to(mask.to(values.device), values.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"`mask` of shape {tuple(mask.shape)} does not broadcast to `value` of shape {tuple(values.shape)}"
+        ) from None
+
+
 class DistributedMean(ExactMetric):
     """A weighted mean with an exact sum and an exact int64 count: the same bits on 1, 2 or 8 processes.
 
     ``update(values)`` counts every element once; ``update(value, weight=n)`` adds ``value`` with the integer
-    weight ``n`` (e.g. a batch's mean loss and its token count). Each element's ``value * weight`` is formed in
-    float64 and added as an exact fixed-point number, so the result depends on the values only, not on how they
-    were batched, ordered or spread over processes. For a mean that is also independent of the batch split, pass
-    per-element values (``reduction="none"``) rather than per-batch means.
+    weight ``n`` (e.g. a batch's mean loss and its token count); ``update(values, mask=labels != -100)`` counts only
+    the elements where ``mask`` is true (padding and ``ignore_index`` positions, where
+    ``cross_entropy(..., reduction="none")`` gives ``0.0``, left out of the sum and the count). Each element's
+    ``value * weight`` is formed in float64 and added as an exact fixed-point number, so the result depends on the
+    values only, not on how they were batched, ordered or spread over processes. For a mean that is also independent
+    of the batch split, pass per-element values (``reduction="none"``) rather than per-batch means.
 
     NaN makes the mean NaN; ``+inf``/``-inf`` make it ``+inf``/``-inf`` (NaN if both occur). A zero total weight
     gives NaN. Limits: ``|value * weight| < 2**42`` per element and a total of magnitude below ``2**55``.
@@ -68,6 +84,10 @@ class DistributedMean(ExactMetric):
         >>> metric.update(torch.tensor(4.0), weight=2)  # a batch mean over 2 elements
         >>> metric.compute(), metric.count
         (tensor(2.7500, dtype=torch.float64), tensor(4))
+        >>> padded = DistributedMean()
+        >>> padded.update(torch.tensor([2.0, 4.0, 0.0]), mask=torch.tensor([-100, 5, 7]) != -100)  # a padded token
+        >>> padded.compute(), padded.count
+        (tensor(2., dtype=torch.float64), tensor(2))
     """
 
     is_differentiable = False
@@ -78,15 +98,24 @@ class DistributedMean(ExactMetric):
 
     sum_limbs: Tensor
 
-    def update(self, value: Tensor | float, weight: Tensor | int | None = None) -> None:  # type: ignore[override]
+    def update(  # type: ignore[override]
+        self, value: Tensor | float, weight: Tensor | int | None = None, mask: Tensor | None = None
+    ) -> None:
         """Add ``value`` (any shape) with ``weight`` (an integer broadcastable to it; ``None``: 1 per element).
 
+        ``mask``: a bool tensor broadcastable to ``value``; where it is false the element counts for nothing (its
+        value, even NaN or infinite, and its weight are left out).
+
         Raises:
-            TypeError: a non-real ``value`` or a non-integer ``weight``.
-            ValueError: a negative ``weight``, one that does not broadcast, or a term past ``2**42``.
+            TypeError: a non-real ``value``, a non-integer ``weight`` or a ``mask`` that is not a bool tensor.
+            ValueError: a negative ``weight``, a ``weight`` or ``mask`` that does not broadcast, or a term past
+                ``2**42``.
         """
         values = _as_values(value)
         weights = _as_weights(weight, values)
+        keep = _as_mask(mask, values)
+        if keep is not None:
+            weights = keep.long() if weights is None else weights * keep
         terms = values.double() if weights is None else values.double() * weights
         count = values.numel() if weights is None else int(weights.sum())
         if weights is not None:
