@@ -196,6 +196,25 @@ def keep_ignored_after_teardown(trainer: Any, signums: Any) -> None:
         originals[signum] = signal.SIG_IGN
 
 
+def trainer_torch_flags() -> tuple[Any, Any] | None:
+    """The ``deterministic`` and ``benchmark`` arguments of the ``Trainer`` being built, ``None`` outside one.
+
+    Lightning applies them to torch in its ``_AcceleratorConnector.__init__`` and keeps neither; a strategy's launcher
+    is configured inside that call (``_lazy_init_strategy``), so its frame is on the stack there. Read by name (the
+    Trainer's public argument names), from the nearest such frame.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = type(frame.f_locals.get("self")).__name__ if frame.f_code.co_name == "__init__" else ""
+        if owner in ("_AcceleratorConnector", "AcceleratorConnector"):
+            local = frame.f_locals
+            return local.get("deterministic"), local.get("benchmark")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 def shut_down_training_workers(trainer: Any) -> None:
     """Stop the training loader's worker processes now (its iterator dropped), as Lightning's teardown of a fit does.
 
@@ -353,6 +372,7 @@ def metric_defaults(metric: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "trainer_torch_flags",
     "shut_down_training_workers",
     "accelerator_connector",
     "checkpoint_connector",

@@ -113,6 +113,66 @@ def invariant_training(
     return InvariantTraining(global_batch_size, micro_batch_size, threads)
 
 
+_FROM_DETERMINISTIC = {True: 2, "warn": 1, False: 0}
+_FLAG_OF_MODE = {2: "True", 1: "'warn'", 0: "False"}
+
+
+def follow_trainer_flags(steps: Any, invariant: Any, flags: tuple[Any, Any] | None, owner: str) -> str | None:
+    """Reconcile the Trainer's ``deterministic`` and ``benchmark`` with the strategy's ``debug_mode`` (``steps``).
+
+    One rule: a flag the user gave explicitly is never silently overridden. ``deterministic`` decides the mode where
+    the strategy was given none (``True``: ``"error"``, ``"warn"``, ``False``: ``"default"``); where both were given
+    they must agree. ``benchmark=True`` (cuDNN picks algorithms by timing) is kept under ``"default"`` and refused
+    under ``"warn"``/``"error"``; ``debug_mode=None`` leaves every flag to the Trainer.
+
+    Returns:
+        The line to say when a Trainer flag decided something, else ``None``.
+
+    Raises:
+        ValueError: for a contradiction, naming both arguments and how to resolve it.
+
+    Examples:
+        >>> from lightning_determinism.strategies.seeding_steps import SeedingSteps
+        >>> steps = SeedingSteps()
+        >>> follow_trainer_flags(steps, None, ("warn", None), "DeterministicDDPStrategy")
+        "Trainer(deterministic='warn'): DeterministicDDPStrategy's debug_mode is 'warn'"
+        >>> steps.debug_mode
+        1
+    """
+    steps.debug_mode, steps.benchmark = steps.asked_debug_mode, None
+    if flags is None or steps.asked_debug_mode is None:
+        return None
+    deterministic, benchmark = flags
+    said = None
+    if deterministic is not None:
+        wanted = _FROM_DETERMINISTIC.get(deterministic)
+        if wanted is None:
+            return None  # Lightning refuses it itself
+        if steps.debug_mode_given and wanted != steps.asked_debug_mode:
+            raise ValueError(
+                f"Trainer(deterministic={deterministic!r}) contradicts {owner}(debug_mode={steps.debug_mode_name!r}):"
+                f" give one of them, or both alike (deterministic=True is debug_mode='error', 'warn' is 'warn',"
+                f" False is 'default')"
+            )
+        if not steps.debug_mode_given and wanted != steps.debug_mode:
+            steps.debug_mode = wanted
+            said = f"Trainer(deterministic={deterministic!r}): {owner}'s debug_mode is {steps.debug_mode_name!r}"
+    if invariant is not None and steps.debug_mode not in (1, 2):
+        raise ValueError(
+            f"world-size-invariant training needs deterministic kernels: Trainer(deterministic={deterministic!r})"
+            " turns them off; leave it out or pass True or 'warn'"
+        )
+    if benchmark is True and steps.debug_mode in (1, 2):
+        raise ValueError(
+            f"Trainer(benchmark=True) lets cuDNN pick its algorithms by timing, which contradicts"
+            f" {owner}(debug_mode={steps.debug_mode_name!r}) (deterministic kernels): leave benchmark out, or pass"
+            " debug_mode='default' to the strategy"
+        )
+    if benchmark is not None:
+        steps.benchmark = bool(benchmark)
+    return said
+
+
 def check_planned_world(steps: Any, world_size: int) -> None:
     """The seed and the topology degrees against the world size the Trainer will launch (``steps``: SeedingSteps).
 

@@ -49,6 +49,15 @@ def _world_of(degrees: dict[str, Any]) -> int:
     return world
 
 
+class _DefaultDebugMode(str):
+    """``"error"`` as the strategies' default: told apart from an ``"error"`` the user gave (the Trainer's flags)."""
+
+    __slots__ = ()
+
+
+DEFAULT_DEBUG_MODE = _DefaultDebugMode("error")
+
+
 def plain_topology(topology: Any) -> Any:
     """A ``topology`` given as any mapping (Hydra's ``DictConfig``, a ``MappingProxyType``) as a plain dict.
 
@@ -85,9 +94,13 @@ class SeedingSteps:
         (7, 1, None)
     """
 
-    def __init__(self, seed: int | None = None, debug_mode: Any = "error", topology: Any = None) -> None:
+    def __init__(self, seed: int | None = None, debug_mode: Any = DEFAULT_DEBUG_MODE, topology: Any = None) -> None:
         self.seed = None if seed is None else check_seed(seed)
         self.debug_mode = normalize_debug_mode(debug_mode)
+        # The mode as constructed (the Trainer's `deterministic` may decide it where it was not given: see
+        # strategies.arguments.follow_trainer_flags) and the Trainer's `benchmark` (kept under debug_mode="default").
+        self.asked_debug_mode, self.debug_mode_given = self.debug_mode, debug_mode is not DEFAULT_DEBUG_MODE
+        self.benchmark: bool | None = None
         topology = plain_topology(topology)
         if topology is not None and not isinstance(topology, (Topology, dict)):
             raise TypeError(
@@ -148,6 +161,8 @@ class SeedingSteps:
                 f" rank {rank} of {world_size}; pass the degrees as a dict to build it on every rank"
             )
         configure_determinism(self.debug_mode)  # type: ignore[arg-type]
+        if self.debug_mode == 0 and self.benchmark is not None:
+            torch.backends.cudnn.benchmark = self.benchmark  # the Trainer's explicit `benchmark` under "default"
         self._adopt(base, rank)
         self._source = source
         if before_log is not None:

@@ -31,6 +31,7 @@ from lightning_determinism._compat.access import (
     device_mesh_of,
     module_trainer,
     swap_launcher,
+    trainer_torch_flags,
 )
 from lightning_determinism._compat.checks import require, set_sampler_epoch
 from lightning_determinism._compat.features import TRAINER
@@ -44,7 +45,12 @@ from lightning_determinism.parallel.fsdp2_versions import average_over_gloo, ref
 from lightning_determinism.parallel.mesh import follow_mesh
 from lightning_determinism.parallel.topology import Topology
 from lightning_determinism.seeding.isolation import EvaluationIsolation
-from lightning_determinism.strategies.arguments import check_keywords, check_planned_world, invariant_training
+from lightning_determinism.strategies.arguments import (
+    check_keywords,
+    check_planned_world,
+    follow_trainer_flags,
+    invariant_training,
+)
 from lightning_determinism.strategies.invariant_clipping import clip_exactly
 from lightning_determinism.strategies.launchers import (
     adopt_parent_from_env,
@@ -52,7 +58,7 @@ from lightning_determinism.strategies.launchers import (
     replace_launcher,
 )
 from lightning_determinism.strategies.resume_path import install as resolve_ckpt_path_once
-from lightning_determinism.strategies.seeding_steps import SeedingProperties, SeedingSteps
+from lightning_determinism.strategies.seeding_steps import DEFAULT_DEBUG_MODE, SeedingProperties, SeedingSteps
 
 
 class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
@@ -100,7 +106,7 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         self,
         *args: Any,
         seed: int | None = None,
-        debug_mode: Any = "error",
+        debug_mode: Any = DEFAULT_DEBUG_MODE,
         topology: Topology | dict[str, Any] | None = None,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
@@ -130,6 +136,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         super()._configure_launcher()  # type: ignore[misc]
         swap_launcher(self, lambda launcher: replace_launcher(launcher, self))
         # In the main process, before any rank exists: refused once, not per rank.
+        said = follow_trainer_flags(self._ldet_steps, self.invariant, trainer_torch_flags(), type(self).__name__)
+        if said is not None:
+            rank_zero_info(said)
         check_planned_world(self._ldet_steps, self._ldet_planned_world_size())
         if self.invariant is not None:
             self.invariant.check_world_size(self._ldet_planned_world_size())
