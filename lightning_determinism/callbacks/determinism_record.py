@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,6 +39,7 @@ from lightning_determinism.divergence.run_record import (
     FINGERPRINT_PREFIX,
     fingerprint_key,
 )
+from lightning_determinism.errors import DeterminismWarning
 
 
 def _text_writer(logger: Any) -> Callable[..., Any] | None:
@@ -47,23 +49,78 @@ def _text_writer(logger: Any) -> Callable[..., Any] | None:
     return add_text if callable(add_text) else None
 
 
+RESUME_PREFIX = "determinism/resume_"
+"""Where a fit logs the record's values a logger refuses to change: ``determinism/resume_<n>/...``."""
+_MOST_RESUMES = 64
+
+
 def _log_hyperparams(logger: Any, params: dict[str, Any]) -> None:
     """``logger.log_hyperparams(params)``; Fabric's ``CSVLogger``, which has none, gets them in ``hparams.yaml``.
 
-    The file is the one the Trainer's ``CSVLogger`` writes in its ``log_dir``, so ``compare`` reads both alike.
+    The file is the one the Trainer's ``CSVLogger`` writes in its ``log_dir``, so ``compare`` reads both alike. A
+    logger that refuses the call (MLflow refuses to change a run's parameter: a requeued job resuming into its run
+    with other stream digests or ``max_epochs``) gets what it takes (:func:`_log_what_it_takes`): the record never
+    stops training.
     """
     try:
         logger.log_hyperparams(params)
     except NotImplementedError:
-        import yaml
+        _write_hparams_file(logger, params)
+    except Exception as error:
+        _log_what_it_takes(logger, params, error)
 
-        if getattr(logger, "log_dir", None) is None:  # a logger of no directory and no hyperparameters: nowhere
-            return
-        _ = logger.experiment  # made first: it warns of a directory that already holds files
-        path = Path(logger.log_dir) / HPARAMS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        saved = yaml.safe_load(path.read_text()) if path.is_file() else None
-        path.write_text(yaml.safe_dump({**(saved or {}), **params}))
+
+def _log_what_it_takes(logger: Any, params: dict[str, Any], error: Exception) -> None:
+    """Log ``params`` one by one; the record's keys the logger refused go under the first free ``resume_<n>``.
+
+    A value the logger already holds is accepted again (MLflow takes an unchanged parameter): only what changed
+    since the run's earlier fits is renamed, ``determinism/run/max_epochs`` to ``determinism/resume_1/run/max_epochs``
+    at the first resume, ``determinism/resume_2/...`` at the next (the fit's later entries, its final fingerprint,
+    under the same ``n``). Renaming is tried where the refusal is about a change (some entries taken, or the logger
+    says so), not for a logger that takes nothing; whatever is still refused is said in one warning.
+    """
+    refused: dict[str, Any] = {}
+    for key, value in params.items():
+        try:
+            logger.log_hyperparams({key: value})
+        except Exception as refusal:
+            refused[key], error = value, refusal
+    ours = {key: value for key, value in refused.items() if key.startswith("determinism/")}
+    known = getattr(logger, "_ldet_resume_number", None)
+    if ours and (len(refused) < len(params) or "chang" in str(error).lower() or known is not None):
+        for number in range(known or 1, _MOST_RESUMES + 1):
+            renamed = {f"{RESUME_PREFIX}{number}/{key.removeprefix('determinism/')}": v for key, v in ours.items()}
+            try:
+                logger.log_hyperparams(renamed)
+            except Exception as refusal:
+                error = refusal
+                continue
+            if known is None:
+                rank_zero_info(
+                    f"{type(logger).__name__} keeps a run's parameters as first logged: {len(ours)} value(s) of the"
+                    f" determinism record that changed since are logged under {RESUME_PREFIX}{number}/"
+                )
+            logger._ldet_resume_number = number
+            refused = {key: value for key, value in refused.items() if key not in ours}
+            break
+    if refused:
+        rank_zero_warn(
+            f"{type(logger).__name__} refused {len(refused)} entr(y/ies) of the determinism record ({error}); training"
+            " goes on, and the checkpoints keep the record's fingerprints",
+            category=DeterminismWarning,
+        )
+
+
+def _write_hparams_file(logger: Any, params: dict[str, Any]) -> None:
+    import yaml
+
+    if getattr(logger, "log_dir", None) is None:  # a logger of no directory and no hyperparameters: nowhere
+        return
+    _ = logger.experiment  # made first: it warns of a directory that already holds files
+    path = Path(logger.log_dir) / HPARAMS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = yaml.safe_load(path.read_text()) if path.is_file() else None
+    path.write_text(yaml.safe_dump({**(saved or {}), **params}))
 
 
 def log_record(loggers: Iterable[Any], record: dict[str, Any], user: dict[str, Any] | None = None) -> None:

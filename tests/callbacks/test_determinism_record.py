@@ -7,10 +7,10 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_determinism import DeterminismRecord, DeterministicSingleDeviceStrategy
+from lightning_determinism import DeterminismRecord, DeterminismWarning, DeterministicSingleDeviceStrategy
 from lightning_determinism.divergence.run_record import CHECKPOINT_KEY, differ_in, differences
 from tests.helpers.lightning_models import RecordingModule, quiet_trainer
 
@@ -140,3 +140,88 @@ def test_two_saves_of_one_step_digest_the_model_once_and_the_end_of_fit_anew(mon
     record.on_save_checkpoint(trainer, model, {})
     record.on_fit_end(trainer, model)
     assert len(calls) == 3
+
+
+class _WriteOnceLogger(Logger):
+    """A logger that keeps a run's parameters as first logged, as MLflow does: a changed value is refused (the
+    batch's earlier entries written, as MLflow's file store writes them); ``down``: it refuses everything."""
+
+    def __init__(self, params: dict, down: bool = False) -> None:
+        super().__init__()
+        self.params, self.down = params, down
+
+    @property
+    def name(self):
+        return "write-once"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        if self.down:
+            raise ConnectionError("tracking server unreachable")
+        for key, value in _flatten(params).items():
+            if key in self.params and self.params[key] != str(value):
+                raise ValueError(f"Changing param values is not allowed: {key!r} was {self.params[key]!r}")
+            self.params[key] = str(value)
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+
+def _flatten(params):
+    return params if isinstance(params, dict) else vars(params)
+
+
+def _fit_into(tmp_path, params, max_epochs, ckpt_path=None, down=False):
+    trainer = quiet_trainer(
+        DeterministicSingleDeviceStrategy(device="cpu", seed=5), devices=1, max_epochs=max_epochs,
+        logger=_WriteOnceLogger(params, down), enable_checkpointing=True, default_root_dir=str(tmp_path),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+    )  # fmt: skip
+    trainer.fit(RecordingModule(str(tmp_path), n=8), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_requeued_job_resuming_into_its_run_logs_what_changed_under_resume_n_and_trains_on(tmp_path):
+    # MLflow's MLFlowLogger(run_id=...) of a requeued job: the same run's parameters, a longer fit resumed from last
+    params = {}
+    _fit_into(tmp_path, params, max_epochs=1)
+    first = dict(params)
+    for number, epochs in ((1, 2), (2, 3)):
+        trainer = _fit_into(tmp_path, params, max_epochs=epochs, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+        assert trainer.current_epoch == epochs  # it trained on to the end
+        assert params[f"determinism/resume_{number}/run/max_epochs"] == str(epochs)
+        assert params[f"determinism/resume_{number}/fingerprint/final"] != params["determinism/fingerprint/final"]
+    assert {key: params[key] for key in first} == first  # nothing first logged was touched
+    assert not any(key.startswith("determinism/resume_3") for key in params)
+
+
+def test_a_logger_that_refuses_everything_is_warned_about_and_training_goes_on(tmp_path):
+    with pytest.warns(DeterminismWarning, match=r"_WriteOnceLogger refused .* \(tracking server unreachable\)"):
+        trainer = _fit_into(tmp_path, {}, max_epochs=1, down=True)
+    assert trainer.current_epoch == 1
+
+
+def test_mlflow_resuming_into_the_same_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")  # not among the test extras: run where MLflow is installed
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's file store, kept for tests
+    uri = f"file:{tmp_path / 'mlruns'}"
+
+    def fit_run(max_epochs, run_id=None):
+        logger = MLFlowLogger(tracking_uri=uri, run_id=run_id)
+        trainer = quiet_trainer(
+            DeterministicSingleDeviceStrategy(device="cpu", seed=5), devices=1, max_epochs=max_epochs, logger=logger,
+            enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        )  # fmt: skip
+        last = tmp_path / "ckpt" / "last.ckpt"
+        trainer.fit(RecordingModule(str(tmp_path), n=8), ckpt_path=str(last) if run_id else None)
+        return logger.run_id
+
+    run_id = fit_run(1)
+    assert fit_run(2, run_id) == run_id
+    params = mlflow.tracking.MlflowClient(uri).get_run(run_id).data.params
+    assert params["determinism/run/max_epochs"] == "1" and params["determinism/resume_1/run/max_epochs"] == "2"
