@@ -49,6 +49,8 @@ def _text_writer(logger: Any) -> Callable[..., Any] | None:
     return add_text if callable(add_text) else None
 
 
+STAGE_KEY = "determinism/run/stage"
+"""An evaluation run's stage (``validate``, ``test``, ``predict``); a fit's record has none."""
 RESUME_PREFIX = "determinism/resume_"
 """Where a fit logs the record's values a logger refuses to change: ``determinism/resume_<n>/...``."""
 _MOST_RESUMES = 64
@@ -183,16 +185,40 @@ class DeterminismRecord(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_record(trainer)
+
+    def _log_record(self, trainer: pl.Trainer, extra: dict[str, Any] | None = None) -> None:
         self._logged, self._by_step, self._fingerprint_at = set(), {}, None
         if not trainer.loggers:  # the same on every rank: no collective either
             return
         ranks = gather_streams()
         if not trainer.is_global_zero:
             return
-        record = build_record(trainer.strategy, ranks, run_identity(trainer), trainer.precision)
+        record = {**build_record(trainer.strategy, ranks, run_identity(trainer), trainer.precision), **(extra or {})}
         user = user_hyperparameters(trainer)
         self._logged = set(record)
         log_record(trainer.loggers, record, user)
+
+    def _evaluation_record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``validate``/``test``/``predict`` on their own: the record, its stage, the evaluated weights' fingerprint.
+
+        Evaluation is half of what users compare: ``compare`` reads an evaluation run's record as a fit's, the
+        fingerprint of the weights it evaluated as the run's final one (nothing trains), and names the stage when it
+        differs (``determinism/run/stage``).
+        """
+        self._log_record(trainer, {STAGE_KEY: getattr(trainer.state.fn, "value", None)})
+        if trainer.loggers:
+            value = self._fingerprint(trainer, pl_module)  # a collective for a sharded model: every rank
+            if value is not None:
+                log_fingerprint(trainer.loggers, FINAL_FINGERPRINT, value, int(trainer.global_step))
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation_record(trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation_record(trainer, pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -222,6 +248,9 @@ class DeterminismRecord(Callback):
         # collective) is taken now, on every rank, for it. The pass changes no weight.
         from lightning_determinism.callbacks.preemption import PreemptionCheckpoint
 
+        if trainer.state.fn == TrainerFn.VALIDATING:  # Trainer.validate on its own
+            self._evaluation_record(trainer, pl_module)
+            return
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not needs_every_rank(pl_module):
             return  # a model without shards is fingerprinted by rank 0 alone, at the save
         if any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):  # type: ignore[attr-defined]

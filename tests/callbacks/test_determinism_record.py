@@ -225,3 +225,47 @@ def test_mlflow_resuming_into_the_same_run(tmp_path, monkeypatch):
     assert fit_run(2, run_id) == run_id
     params = mlflow.tracking.MlflowClient(uri).get_run(run_id).data.params
     assert params["determinism/run/max_epochs"] == "1" and params["determinism/resume_1/run/max_epochs"] == "2"
+
+
+class _Evaluated(RecordingModule):
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def test_step(self, batch, batch_idx):
+        pass
+
+    def predict_step(self, batch, batch_idx):
+        return batch
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_an_evaluation_run_on_its_own_logs_the_record_and_the_evaluated_weights_fingerprint(
+    tmp_path, stage, capsys, monkeypatch
+):
+    import _lightning_determinism_cli as entry
+    from lightning_determinism import fingerprint
+    from lightning_determinism.seeding import isolation
+
+    runs = {}
+    for name, weight in (("a", 0.0), ("b", 0.0), ("c", 1.0)):  # c evaluates other weights
+        # each as a script of its own (a second standalone pass in one process draws new numbers: seeding.isolation)
+        monkeypatch.setattr(isolation, "_CALLS", {})
+        torch.manual_seed(0)  # the same weights in a and b (built before the strategy seeds)
+        module = _Evaluated(str(tmp_path / name), n=8)
+        module.configure_model()
+        torch.nn.init.constant_(next(module.parameters()), weight)
+        trainer = quiet_trainer(DeterministicSingleDeviceStrategy(device="cpu", seed=5), devices=1,
+                                logger=CSVLogger(tmp_path / name, name="csv", version=0))  # fmt: skip
+        getattr(trainer, stage)(module)
+        runs[name] = yaml.safe_load((tmp_path / name / "csv" / "version_0" / "hparams.yaml").read_text())
+        assert runs[name]["determinism/fingerprint/final"] == fingerprint(module)
+    assert runs["a"]["determinism/run/stage"] == stage and runs["a"]["determinism/seed"] == 5
+    capsys.readouterr()
+    assert entry.main(["compare", str(tmp_path / "a" / "csv"), str(tmp_path / "b" / "csv")]) == 0
+    assert entry.main(["compare", str(tmp_path / "a" / "csv"), str(tmp_path / "c" / "csv")]) == 1
+    assert "fingerprint at the end" in capsys.readouterr().out
