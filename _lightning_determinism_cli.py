@@ -121,7 +121,7 @@ _INPUTS = {
 
 # The inputs that may also be a logger's output directory (the determinism record, docs/record.md), and its files.
 _OR_LOGS = ("checkpoint or baseline file", "baseline file")
-_LOG_FILES = "hparams.yaml or TensorBoard event file"
+_LOG_FILES = "hparams.yaml, TensorBoard event file, MLflow run or W&B run file"
 
 
 def _holds_logs(path: str, depth: int = 3) -> bool:
@@ -130,7 +130,10 @@ def _holds_logs(path: str, depth: int = 3) -> bool:
         entries = list(os.scandir(path))
     except OSError:
         return False
-    if any(e.name == "hparams.yaml" or e.name.startswith("events.out.tfevents.") for e in entries if e.is_file()):
+    files = {e.name for e in entries if e.is_file()}
+    if "hparams.yaml" in files or any(n.startswith("events.out.tfevents.") or n.endswith(".wandb") for n in files):
+        return True
+    if "meta.yaml" in files and any(e.name == "params" and e.is_dir() for e in entries):  # an MLflow file store run
         return True
     return depth > 0 and any(_holds_logs(e.path, depth - 1) for e in entries if e.is_dir(follow_symlinks=False))
 
@@ -144,6 +147,8 @@ def _unusable_input(path: str, kind: str) -> str | None:
         >>> _unusable_input(".", "probe file")
         '.: is a directory, not a probe file'
     """
+    if kind in _OR_LOGS and path.startswith("runs:/"):
+        return None  # an MLflow run: read with MLflow's client by the subcommand
     if os.path.isdir(path):
         if kind.startswith("checkpoint") and os.path.isfile(os.path.join(path, "meta.pt")):
             return None  # Lightning's distributed checkpoint (ModelParallelStrategy, FSDP): a directory

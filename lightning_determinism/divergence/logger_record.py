@@ -1,4 +1,4 @@
-"""Reading the determinism record back from a logger's output directory: CSV's and TensorBoard's.
+"""Reading the determinism record back from a logger's output directory: CSV's and TensorBoard's (and trackers').
 
 A ``CSVLogger`` keeps its hyperparameters in ``<save_dir>/<name>/version_<n>/hparams.yaml``; a ``TensorBoardLogger``
 in the event file (``events.out.tfevents.*``) beside its own ``hparams.yaml`` (written once, at the start of fit), and
@@ -6,7 +6,8 @@ the fingerprints as texts of the event file. :func:`read_record` takes such a ve
 them (one run's: a CSV and a TensorBoard logger side by side, whose records agree), or one of the files, and returns
 the record's flat ``determinism/...`` entries (:mod:`~lightning_determinism.divergence.run_record`). The event file is
 read by :mod:`~lightning_determinism.divergence._event_file` (no TensorBoard needed); YAML by PyYAML, which Lightning
-requires.
+requires. MLflow's runs (``runs:/<run_id>``, a file store's run directory) and W&B's offline run directories are read
+by :mod:`~lightning_determinism.divergence.tracker_record`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from typing import Any
 
 from lightning_determinism.divergence._event_file import EventFileError, read_event_file
 from lightning_determinism.divergence.run_record import FINGERPRINT_PREFIX, PREFIX, differences, record_of
+from lightning_determinism.divergence.tracker_record import (
+    MLFLOW_RUN_URI,
+    WANDB_SUFFIX,
+    TrackerError,
+    is_mlflow_run_directory,
+    mlflow_directory_params,
+    mlflow_uri_params,
+    wandb_file_config,
+    wandb_run_files,
+)
 
 HPARAMS_FILE = "hparams.yaml"
 EVENTS_GLOB = "events.out.tfevents.*"
@@ -27,7 +38,12 @@ class RecordError(ValueError):
 
 
 def _holds_logs(directory: Path) -> bool:
-    return (directory / HPARAMS_FILE).is_file() or any(directory.glob(EVENTS_GLOB))
+    return (
+        (directory / HPARAMS_FILE).is_file()
+        or any(directory.glob(EVENTS_GLOB))
+        or is_mlflow_run_directory(directory)
+        or bool(wandb_run_files(directory))
+    )
 
 
 def log_directories(path: Path) -> list[Path]:
@@ -73,12 +89,24 @@ def _event_hparams(path: Path) -> dict[str, Any]:
 
 def _read_files(files: list[Path]) -> dict[str, Any]:
     hparams: dict[str, Any] = {}
-    for file in files:
-        hparams.update(_yaml_hparams(file) if file.suffix in (".yaml", ".yml") else _event_hparams(file))
+    try:
+        for file in files:
+            if file.is_dir():  # an MLflow file store run's params/
+                hparams.update(mlflow_directory_params(file))
+            elif file.suffix == WANDB_SUFFIX:
+                hparams.update(wandb_file_config(file))
+            else:
+                hparams.update(_yaml_hparams(file) if file.suffix in (".yaml", ".yml") else _event_hparams(file))
+    except TrackerError as err:
+        raise RecordError(str(err)) from None
     return hparams
 
 
 def _files_of(directory: Path) -> list[Path]:
+    if is_mlflow_run_directory(directory):
+        return [directory / "params"]
+    if wandb_run_files(directory):
+        return wandb_run_files(directory)
     yaml_file = directory / HPARAMS_FILE
     return ([yaml_file] if yaml_file.is_file() else []) + sorted(directory.glob(EVENTS_GLOB))
 
@@ -104,11 +132,22 @@ def read_record(path: Path | str) -> tuple[dict[str, Any], Path]:
     """The record a logger wrote at ``path``, and the directory (or file) it was read from.
 
     An event file's entries are read over ``hparams.yaml``'s (TensorBoard writes that file once, before the
-    fingerprints); several event files of one directory in the order of their names (of their times).
+    fingerprints); several event files of one directory in the order of their names (of their times). ``runs:/<id>``
+    names an MLflow run (read with MLflow's client); an MLflow file store's run directory and a W&B offline run
+    directory (or its ``.wandb`` file) are read as a logger's directory is.
 
     Raises:
         RecordError: if ``path`` holds no logger's files, the logs of several runs whose records differ, or no record.
     """
+    if str(path).startswith(MLFLOW_RUN_URI):
+        try:
+            hparams = mlflow_uri_params(str(path))
+        except TrackerError as err:
+            raise RecordError(str(err)) from None
+        record = record_of(hparams)
+        if not record:
+            raise RecordError(f"{path}: no determinism record among the run's parameters (no {PREFIX}... entry)")
+        return record, Path(str(path))
     path = Path(path)
     if path.is_file():
         where, files = path, [path]
@@ -125,6 +164,11 @@ def read_record(path: Path | str) -> tuple[dict[str, Any], Path]:
         files = _files_of(where)
     else:
         raise RecordError(f"{path}: no such file or directory")
+    if path.is_file() and path.suffix == ".db":
+        raise RecordError(
+            f"{path}: an MLflow database, not a logger's file: name the run as runs:/<run_id>, with"
+            f" MLFLOW_TRACKING_URI=sqlite:///{path.resolve()}"
+        )
     record = record_of(_read_files(files))
     if not record:
         raise RecordError(

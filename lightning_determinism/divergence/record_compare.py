@@ -22,7 +22,9 @@ _RECORD_SUFFIXES = (".yaml", ".yml")
 
 
 def is_record_path(path: str) -> bool:
-    """Whether a command-line input names a logger's output (a directory, ``hparams.yaml``, an event file).
+    """Whether a command-line input names a logger's output: a directory, a file of one, an MLflow run or database.
+
+    Files: ``hparams.yaml``, an event file, a W&B ``.wandb`` run file; ``runs:/<id>`` names an MLflow run.
 
     A distributed checkpoint directory (one with ``meta.pt``) is a checkpoint, not a logger's directory.
 
@@ -30,10 +32,12 @@ def is_record_path(path: str) -> bool:
         >>> is_record_path("run.json"), is_record_path("hparams.yaml"), is_record_path("events.out.tfevents.1.host")
         (False, True, True)
     """
+    if path.startswith("runs:/"):  # an MLflow run
+        return True
     p = Path(path)
     if p.is_dir():
         return not (p / "meta.pt").is_file()
-    return p.suffix in _RECORD_SUFFIXES or p.name.startswith("events.out.tfevents.")
+    return p.suffix in (*_RECORD_SUFFIXES, ".wandb", ".db") or p.name.startswith("events.out.tfevents.")
 
 
 def _short(value: Any, width: int = 24) -> str:

@@ -86,8 +86,19 @@ def differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, tuple[A
     Examples:
         >>> differences({"determinism/seed": 1, "determinism/x": 2}, {"determinism/seed": 1})
         {'determinism/x': (2, None)}
+        >>> differences({"determinism/seed": 5, "determinism/flag": True}, {"determinism/seed": "5",
+        ...              "determinism/flag": "True"})  # MLflow keeps parameters as text
+        {}
     """
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if canonical(a.get(k)) != canonical(b.get(k))}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not _same(a.get(k), b.get(k))}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as :func:`canonical` values, or as text where one logger keeps text (MLflow's ``"5"`` for ``5``)."""
+    a, b = canonical(a), canonical(b)
+    return a == b or (
+        a is not None and b is not None and (isinstance(a, str) or isinstance(b, str)) and str(a) == str(b)
+    )
 
 
 # What a difference is called in one line, by the key's group, in the order the line names them.

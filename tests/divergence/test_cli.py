@@ -163,7 +163,9 @@ print(status, "torch" in sys.modules, "lightning_determinism" in sys.modules)
     assert result.stderr.splitlines() == [f"lightning-determinism: error: {missing}: no such file"]
 
 
-NOT_LOGS = " (nor a logger's directory: no hparams.yaml or TensorBoard event file in it or below)"
+NOT_LOGS = (
+    " (nor a logger's directory: no hparams.yaml, TensorBoard event file, MLflow run or W&B run file in it or below)"
+)
 
 
 @pytest.mark.parametrize(
