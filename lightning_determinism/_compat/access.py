@@ -215,6 +215,27 @@ def trainer_torch_flags() -> tuple[Any, Any] | None:
     return None
 
 
+def suspend_checkpoint_versions(callbacks: Any) -> list[tuple[Any, Any]]:
+    """Have each ``ModelCheckpoint`` write over a file of the name it picks instead of adding ``-v1``.
+
+    Returns what :func:`restore_checkpoint_versions` puts back (Lightning's ``enable_version_counter``, kept privately).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saved = []
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_enable_version_counter"):
+            saved.append((callback, callback._enable_version_counter))
+            callback._enable_version_counter = False
+    return saved
+
+
+def restore_checkpoint_versions(saved: list[tuple[Any, Any]]) -> None:
+    """Undo :func:`suspend_checkpoint_versions`."""
+    for callback, enabled in saved:
+        callback._enable_version_counter = enabled
+
+
 def shut_down_training_workers(trainer: Any) -> None:
     """Stop the training loader's worker processes now (its iterator dropped), as Lightning's teardown of a fit does.
 
@@ -372,6 +393,8 @@ def metric_defaults(metric: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "restore_checkpoint_versions",
+    "suspend_checkpoint_versions",
     "trainer_torch_flags",
     "shut_down_training_workers",
     "accelerator_connector",

@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_determinism._compat import loops
+from lightning_determinism._compat.access import restore_checkpoint_versions, suspend_checkpoint_versions
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding.isolation import evaluation_streams
 from lightning_determinism.seeding.rank_states import digest
@@ -108,6 +109,7 @@ class ResumeReplay(Callback):
     def __init__(self) -> None:
         self._trainer: pl.Trainer | None = None
         self._loaded: dict[str, Any] | None = None
+        self._versions: list[tuple[Any, Any]] = []  # ModelCheckpoints writing over, during a replayed pass
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -147,6 +149,21 @@ class ResumeReplay(Callback):
         if isinstance(wrapped, functools.partial):  # else already taken off (the evaluation isolation's detach)
             val_loop.increment_progress_to_evaluation_end = wrapped.args[0]  # type: ignore[method-assign]
         self._loaded = None
+        self._end_replayed_pass()
+
+    def _end_replayed_pass(self) -> None:
+        restore_checkpoint_versions(self._versions)
+        self._versions = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._end_replayed_pass()  # the replayed pass's saves are done (checkpoint callbacks run after this one)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_replayed_pass()  # after the replayed epoch end's saves (ModelCheckpoint saves in its epoch end too)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -179,8 +196,7 @@ class ResumeReplay(Callback):
 
         return wrapped
 
-    @staticmethod
-    def _replay_epoch_end(trainer: pl.Trainer, stage: str) -> None:
+    def _replay_epoch_end(self, trainer: pl.Trainer, stage: str) -> None:
         """After ``on_train_start``: what followed a checkpoint written at an epoch's last batch or at its end."""
         batches = trainer.fit_loop.epoch_loop.batch_progress
         if stage == loops.MID_EPOCH and loops.batch_stage(trainer) == loops.AFTER_BATCH and batches.is_last_batch:
@@ -189,6 +205,7 @@ class ResumeReplay(Callback):
             loops.shift_epoch_counters(trainer, processed=-1, completed=-1)
             batches.increment_completed()
             loops.end_restart(trainer)  # and the next epoch starts as in the uninterrupted run, with its hooks
+            self._versions = suspend_checkpoint_versions(trainer.callbacks)  # type: ignore[attr-defined]
             loops.finish_batch(trainer)
             loops.finish_epoch(trainer)
         elif stage == loops.EPOCH_END:  # written in on_train_epoch_end: the plateau step came after the hooks
@@ -235,6 +252,10 @@ class ResumeReplay(Callback):
         if trainer is None or loops.batch_stage(trainer) != loops.AFTER_BATCH:
             return fast_forward(*args, **kwargs)
         loops.shift_batches_that_stepped(trainer, -1)  # counted by the restart; the uninterrupted run validated first
+        # The interrupted run may have run this pass already and written its ModelCheckpoint files (a job that died
+        # after the pass, resumed from the checkpoint before it): the replayed pass writes over them, as the
+        # uninterrupted run wrote them once, instead of adding a `-v1` copy that best_k_models would then point to.
+        self._versions = suspend_checkpoint_versions(trainer.callbacks)  # type: ignore[attr-defined]
         trainer.fit_loop.epoch_loop.val_loop.restarting = False
         loops.finish_batch(trainer)
         return None
