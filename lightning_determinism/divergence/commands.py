@@ -262,7 +262,8 @@ def _compare(args: argparse.Namespace) -> int:
             raise _BadInput(str(err)) from None
     rtol = DEFAULT_RTOL if args.rtol is None else args.rtol
     atol = DEFAULT_ATOL if args.atol is None else args.atol
-    table = compare_runs([(path, load_baseline(path)) for path in args.files], rtol, atol, args.nonfinite_equal)
+    loaded = [(path, load_baseline(path)) for path in args.files]
+    table = compare_runs(loaded, rtol, atol, args.nonfinite_equal)
     comparisons = table.pop("comparisons")
     if args.plot:
         from lightning_determinism.divergence._compare_plot import draw, draw_runs
@@ -312,7 +313,27 @@ def _compare(args: argparse.Namespace) -> int:
         else "a non-finite value is never equal; --nonfinite-equal accepts identical ones"
     )
     print(f"first divergence: step {first['step']}, {first['name']}: {first['a']!r} vs {first['b']!r} ({why})")
+    causes = run_differences(loaded[0][1], loaded[1][1])
+    if causes:
+        shown = "; ".join(f"{key} {a!r} vs {b!r}" for key, (a, b) in causes.items())
+        print(f"the runs that wrote them differ in: {shown} (a cause of the divergence: diagnose says where it starts)")
     return 1
+
+
+# What in a baseline's "run" entry changes the numbers (versions and costs' bookkeeping aside).
+_CAUSES = ("batch_shape", "world_size", "seed", "precision", "device", "mesh", "strategy", "torch")
+
+
+def run_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The entries of two baselines' ``"run"`` that differ and change the numbers, in the order of :data:`_CAUSES`.
+
+    Examples:
+        >>> a, b = {"run": {"batch_shape": [[4, 8]], "seed": 1}}, {"run": {"batch_shape": [[2, 8]], "seed": 1}}
+        >>> run_differences(a, b)
+        {'batch_shape': ([[4, 8]], [[2, 8]])}
+    """
+    ra, rb = a.get("run") or {}, b.get("run") or {}
+    return {key: (ra.get(key), rb.get(key)) for key in _CAUSES if key in ra and key in rb and ra[key] != rb[key]}
 
 
 def _diagnose(args: argparse.Namespace) -> int:

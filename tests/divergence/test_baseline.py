@@ -122,6 +122,21 @@ def test_cli_compare_equal_different_and_plot(recorded, tmp_path, capsys):
     assert "first divergence: step 1, grad_norms[net.2.weight]" in out
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli(["compare", str(recorded), str(perturbed), "--rtol", "1", "--atol", "1"]) == 0
+    assert "the runs that wrote them differ" not in out  # the same configuration: no cause to name
+
+
+def test_compare_names_the_run_difference_behind_a_divergence(recorded, tmp_path, capsys):
+    # The same run with micro-batches of 4 instead of 8 (as accumulate_grad_batches=2 would cut them): its losses
+    # differ from the first step; compare names the batch shape beside the first diverging quantity
+    data = json.loads(recorded.read_text())
+    data["run"]["batch_shape"] = [[4, 6], [4, 1]]
+    data["steps"][0]["loss"] = data["steps"][0]["loss"] * 1.01
+    other = tmp_path / "halved.json"
+    other.write_text(json.dumps(data))
+    assert cli(["compare", str(recorded), str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: step 0, loss" in out
+    assert "the runs that wrote them differ in: batch_shape [[8, 6], [8, 1]] vs [[4, 6], [4, 1]]" in out
 
 
 def test_cli_bad_files_exit_2_with_the_file_named(recorded, tmp_path, capsys):
