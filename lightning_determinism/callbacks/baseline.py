@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -21,6 +22,7 @@ from lightning_determinism._compat.access import device_mesh_of, launcher_start_
 from lightning_determinism._compat.checks import MultiProcessingLauncher
 from lightning_determinism.divergence.baseline_recorder import BaselineMismatch, BaselineRecorder
 from lightning_determinism.divergence.run_metadata import mesh_description
+from lightning_determinism.errors import DeterminismWarning
 
 
 class NumericalBaseline(BaselineRecorder, Callback):
@@ -47,6 +49,14 @@ class NumericalBaseline(BaselineRecorder, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            rank_zero_warn(
+                f"NumericalBaseline records training steps: Trainer.{getattr(stage, 'value', stage)}()"
+                f" records none and writes no baseline"
+                " (the determinism record in the logger holds the evaluated weights' fingerprint)",
+                category=DeterminismWarning,
+            )
+            return
         self.start()
         strategy = trainer.strategy
         launcher = strategy.launcher

@@ -269,3 +269,15 @@ def test_an_evaluation_run_on_its_own_logs_the_record_and_the_evaluated_weights_
     assert entry.main(["compare", str(tmp_path / "a" / "csv"), str(tmp_path / "b" / "csv")]) == 0
     assert entry.main(["compare", str(tmp_path / "a" / "csv"), str(tmp_path / "c" / "csv")]) == 1
     assert "fingerprint at the end" in capsys.readouterr().out
+
+
+def test_the_step_recorders_say_that_an_evaluation_run_records_no_steps(tmp_path):
+    from lightning_determinism import DivergenceProbe, NumericalBaseline
+
+    callbacks = [NumericalBaseline(tmp_path / "base.json"), DivergenceProbe(tmp_path / "probe.json")]
+    trainer = quiet_trainer(DeterministicSingleDeviceStrategy(device="cpu", seed=5), devices=1, callbacks=callbacks)
+    with pytest.warns(DeterminismWarning) as caught:
+        trainer.validate(_Evaluated(str(tmp_path), n=8))
+    said = [str(w.message) for w in caught if "records training steps" in str(w.message)]
+    assert len(said) == 2 and all("Trainer.validate() records none" in line for line in said)
+    assert not (tmp_path / "base.json").exists() and not (tmp_path / "probe.json").exists()

@@ -18,10 +18,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_determinism.divergence.diagnosis.recorder import ProbeRecorder
+from lightning_determinism.errors import DeterminismWarning
 
 
 def _loader_generators(trainer: pl.Trainer) -> dict[str, torch.Generator]:
@@ -63,6 +65,13 @@ class DivergenceProbe(ProbeRecorder, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            rank_zero_warn(
+                f"DivergenceProbe records training steps: Trainer.{getattr(stage, 'value', stage)}()"
+                f" records none and writes no probe file",
+                category=DeterminismWarning,
+            )
+            return
         invariant = getattr(trainer.strategy, "invariant", None)
         if invariant is not None:
             self.invariant = {
