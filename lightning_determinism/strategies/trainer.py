@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
@@ -34,7 +34,7 @@ from lightning_determinism._compat.access import (
     trainer_torch_flags,
 )
 from lightning_determinism._compat.checks import require, set_sampler_epoch
-from lightning_determinism._compat.features import TRAINER
+from lightning_determinism._compat.features import INVARIANT_FSDP2, TRAINER
 from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
@@ -155,6 +155,8 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         """
         if self.invariant is not None and trainer.state.fn == "fit" and module is not None:
             world_size = self._ldet_planned_world_size()
+            if world_size > 1 and isinstance(self, ModelParallelStrategy):  # torch 2.8: said once, not per rank
+                require(INVARIANT_FSDP2)
             self.invariant.check_before_launch(world_size, trainer.accumulate_grad_batches, module)
             refuse_per_worker_seeds(trainer)
 

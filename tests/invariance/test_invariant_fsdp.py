@@ -128,3 +128,29 @@ def test_tensor_parallelism_is_refused_in_the_invariant_mode(tmp_path):
         )
         L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
                   enable_progress_bar=False).fit(Net(str(tmp_path)))  # fmt: skip
+
+
+def test_a_torch_without_the_custom_reduce_scatter_is_refused_once_in_the_main_process(tmp_path, monkeypatch):
+    # torch 2.8 (FSDPModule.set_custom_reduce_scatter came in 2.9), as the feature check sees it: before, every rank
+    # raised in its setup and the launcher reported a rank's traceback; now the main process refuses before the launch
+    from lightning_determinism._compat import checks
+    from lightning_determinism._compat.features import INVARIANT_FSDP2
+    from lightning_determinism.errors import IncompatibleVersionError
+
+    class _Gone:
+        name, feature = "FSDPModule.set_custom_reduce_scatter", INVARIANT_FSDP2
+
+        def present(self):
+            return False
+
+    real = checks.missing
+    monkeypatch.setattr(
+        checks, "missing", lambda feature=None: [_Gone()] if feature == INVARIANT_FSDP2 else real(feature)
+    )
+    monkeypatch.setattr(checks, "_REQUIRED", set())
+    sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1, "global_batch_size": B, "micro_batch_size": M_SIZE}
+    strategy = DeterministicModelParallelStrategy(seed=4, start_method="fork", **sizes)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                        enable_progress_bar=False)  # fmt: skip
+    with pytest.raises(IncompatibleVersionError, match=r"world-size-invariant FSDP2 .*set_custom_reduce_scatter is missing"):
+        trainer.fit(Net(str(tmp_path)))
