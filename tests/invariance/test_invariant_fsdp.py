@@ -152,5 +152,5 @@ def test_a_torch_without_the_custom_reduce_scatter_is_refused_once_in_the_main_p
     strategy = DeterministicModelParallelStrategy(seed=4, start_method="fork", **sizes)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
                         enable_progress_bar=False)  # fmt: skip
-    with pytest.raises(IncompatibleVersionError, match=r"world-size-invariant FSDP2 .*set_custom_reduce_scatter is missing"):
+    with pytest.raises(IncompatibleVersionError, match=r"invariant FSDP2 .*set_custom_reduce_scatter is missing"):
         trainer.fit(Net(str(tmp_path)))
