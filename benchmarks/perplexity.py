@@ -12,6 +12,10 @@
 2. Update throughput at V=32,000, 4,096 tokens per update, float32 logits (target >= 4x torchmetrics on an idle
    machine, >= 2x with a competing CPU-bound process), for the C kernel (the default), Inductor's kernel and the
    eager path; the first update's cost in a fresh process (building the kernel), each kernel's cache cold and warm.
+2a. The C kernel per vector instruction set (`--only vectors`): built for this CPU (-march=native), for AVX2
+   (-march=haswell: what an AVX2-only CPU such as AMD EPYC Zen 2/3 builds) and for SSE2 (-march=x86-64), each in a
+   fresh process (LDET_KERNEL_MARCH, a private kernel cache), V=32,000, 4,096 tokens: seconds per update against
+   torchmetrics, interleaved (target >= 4x), with this CPU's vector features printed beside.
 2b. One value on every path and CPU: the perplexity of fixed logits (V=32,000, float32 and bfloat16) with the C kernel,
    Inductor's kernel, the eager path, a fresh process with no compiler on the PATH, and the C kernel built for other
    vector widths (SSE2, AVX2, AVX-512, no vectors: what other x86-64 CPUs build with -march=native), as float.hex.
@@ -41,7 +45,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_determinism import DistributedPerplexity
 from lightning_determinism.exact import exact_sum
-from lightning_determinism.metrics._native import CACHE_ENV
+from lightning_determinism.metrics._native import CACHE_ENV, MARCH_ENV
 from lightning_determinism.metrics._nll import NATIVE_ENV, token_nll
 
 
@@ -273,6 +277,48 @@ def throughput(vocab: int = 32_000, tokens: int = 4_096, repeats: int = 15) -> N
     _table(rows, tuple(metrics))
 
 
+_VECTORS_CHILD = """
+import json, sys
+import torch
+from torchmetrics.text import Perplexity
+sys.path.insert(0, sys.argv[1])
+from perplexity import _batch, _medians
+from lightning_determinism import DistributedPerplexity
+logits, target = _batch(torch.Generator().manual_seed(1), 4_096, 32_000)
+metrics = {"C kernel": DistributedPerplexity(compile=True), "torchmetrics": Perplexity()}
+figures = _medians(metrics, logits, target, 15)
+print(json.dumps({**figures, "variant": metrics["C kernel"].kernel}))
+"""
+
+
+def _vector_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown (no /proc/cpuinfo)"
+    wanted = ("sse2", "avx", "avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl")
+    return " ".join(flag for flag in wanted if flag in flags)
+
+
+def vectors() -> None:
+    threads = torch.get_num_threads()
+    print(f"\n2a. the C kernel per vector instruction set, V=32,000, 4,096 tokens/update, {threads} threads;"
+          f" this CPU: {_vector_features()}")  # fmt: skip
+    rows = []
+    for march, label in ((None, "this CPU (-march=native)"), ("haswell", "AVX2 (-march=haswell)"),
+                         ("x86-64", "SSE2 (-march=x86-64)")):  # fmt: skip
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, CACHE_ENV: cache, **({MARCH_ENV: march} if march else {})}
+            env.pop(MARCH_ENV, None) if march is None else None
+            out = subprocess.run([sys.executable, "-c", _VECTORS_CHILD, os.path.dirname(os.path.abspath(__file__))],
+                                 env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        tm, ours = figures["torchmetrics"], figures["C kernel"]
+        rows.append((label, figures["variant"], f"{ours:.4f} s", f"{tm:.4f} s", f"{tm / ours:.2f}x"))
+    _table(rows, ("kernel variant", "C kernel", "torchmetrics", "x faster"))
+
+
 _NO_COMPILER_CHILD = """
 import sys, torch
 from lightning_determinism import DistributedPerplexity
@@ -439,15 +485,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=26_213_200)
     parser.add_argument("--lm-tokens", type=int, default=131_072)
     parser.add_argument("--skip-accuracy", action="store_true")
-    parser.add_argument("--only", choices=("throughput", "portability"), help="run one section alone")
+    parser.add_argument("--only", choices=("throughput", "vectors", "portability"), help="run one section alone")
     args = parser.parse_args()
     if args.only:
-        {"throughput": throughput, "portability": portability}[args.only]()
+        {"throughput": throughput, "vectors": vectors, "portability": portability}[args.only]()
         return
     if not args.skip_accuracy:
         accuracy(args.tokens)
         lm_like_accuracy(args.lm_tokens)
     throughput()
+    vectors()
     portability()
     invariance()
     memory()

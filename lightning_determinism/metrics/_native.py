@@ -9,9 +9,11 @@ What makes the bits the same on every path and CPU:
 - the C source is generated from :mod:`._portable`'s constants (hexadecimal literals: no decimal rounding) and does
   its operations in its order, each rounded on its own: built with ``-ffp-contract=off`` (no fused multiply-add)
   and refused by a compiler whose ``float`` arithmetic is wider (x87);
-- each exponential becomes an integer, and a row's integers are summed in 16 uint64 lanes, moved into a 128-bit
-  total every 1,024 blocks: integer sums have no order, so vector width, lanes, threads (blocks of 8 rows claimed
-  as they go) and the batch do not change a row's bits;
+- each exponential becomes an integer, and a row's integers are summed in lanes moved into a 128-bit total now and
+  then: integer sums have no order, so vector width, lanes, threads (blocks of 8 rows claimed as they go) and the
+  batch do not change a row's bits. With AVX-512DQ the compiler vectorises the loop (float to int64 in 16 lanes);
+  elsewhere (AVX2, SSE2, NEON), where that conversion has no vector instruction, the block is written with vector
+  types: each integer as ``hi * 2**26 + lo``, two exact float-to-int32 truncations summed in uint32 lanes;
 - rows holding NaN, or whose max is infinite, get :data:`~._portable.NAN_MARK` (and a NaN max for NaN, as torch's
   ``amax`` gives).
 
@@ -77,6 +79,38 @@ $HORNER
     return (int64_t)(e + 0.5f); /* truncated after + 0.5, as torch's conversion: rounded, and it vectorises */
 }
 
+/* AVX-512DQ converts float to int64 in vector registers: there the loop below is left to the auto-vectoriser (one
+   16-lane pass). Elsewhere (AVX2, SSE2, NEON) that conversion has no vector instruction and the loop ran scalar:
+   there the block is written with vector types and 32-bit integers. The same bits either way (tested). */
+#if !defined(__AVX512DQ__) && !defined(LDET_NO_VECTOR_BLOCK) && (defined(__clang__) || __GNUC__ >= 9)
+#define VECTOR_BLOCK 1
+#define BLOCK_FLUSH 32 /* blocks summed per lane before the lanes go into the total: 32 * 2**26 < 2**32 */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+/* exp_fixed's float before its truncation (e + 0.5), 8 lanes at once, operation for operation: rint as the add and
+   subtraction of 1.5 * 2**23 (the same rounding for |x| < 2**22). */
+static inline void exp_half8(v8f *inout) { /* by pointer: no 32-byte vector crosses a call's ABI */
+    v8f d = *inout;
+    const v8f magic = $SPLAT_MAGIC;
+    v8f k = (d * $INV_LN2 + magic) - magic;
+    v8f r_hi = d - k * $LN2_HI;
+    v8f s = k * $LN2_LO;
+    v8f rh = r_hi - s;
+    v8f rl = (r_hi - rh) - s;
+    v8f p = $SPLAT_P0;
+$HORNER
+    v8f q = p * (rh * rh) + rl;
+    v8f e = (rh + q) + 1.0f;
+    v8i bits;
+    memcpy(&bits, &e, 32);
+    bits += (__builtin_convertvector(k, v8i) + $SCALE_BITS) << 23;
+    memcpy(&e, &bits, 32);
+    *inout = e + 0.5f;
+}
+#endif
+
 static void one_row(const float *x, int64_t v, int64_t target, const float *next, int64_t next_bytes,
                     float *top, int64_t *sum_hi, int64_t *sum_lo, float *picked) {
     float m = x[0];
@@ -94,14 +128,48 @@ static void one_row(const float *x, int64_t v, int64_t target, const float *next
         *sum_lo = 0;
         return;
     }
-    uint64_t lanes[LANES];
     unsigned __int128 total = 0;
-    for (int l = 0; l < LANES; l++) lanes[l] = 0;
     const char *ahead = (const char *)next;
     const char *ahead_end = ahead + next_bytes;
     int64_t j0 = 0, blocks = 0;
+#ifdef VECTOR_BLOCK
+    /* Each integer exp as hi * 2**26 + lo (t < 2**52 + 1: hi, lo < 2**26, both exact int32 truncations), summed
+       in uint32 lanes: only 32-bit integer conversions and adds, which every vector unit has. */
+    const v8f floor8 = $SPLAT_FLOOR;
+    v8u hi[2] = {{0}}, lo[2] = {{0}};
     for (; j0 + LANES <= v; j0 += LANES) {
         if (ahead < ahead_end) { /* one cache line of the next row per 16 logits of this one */
+            __builtin_prefetch(ahead, 0, 2);
+            ahead += 64;
+        }
+        for (int h = 0; h < 2; h++) {
+            v8f d;
+            memcpy(&d, x + j0 + 8 * h, 32);
+            d = d - m;
+            v8i above = d > floor8;
+            d = (v8f)(((v8i)d & above) | ((v8i)floor8 & ~above)); /* max(d, FLOOR): d is no NaN here */
+            v8f t = d;
+            exp_half8(&t);
+            v8i a = __builtin_convertvector(t * 0x1p-26f, v8i);
+            v8i rest = __builtin_convertvector(t - __builtin_convertvector(a, v8f) * 0x1p26f, v8i);
+            hi[h] += (v8u)a;
+            lo[h] += (v8u)rest;
+        }
+        if (++blocks == BLOCK_FLUSH) {
+            for (int h = 0; h < 2; h++) {
+                for (int l = 0; l < 8; l++) total += ((uint64_t)hi[h][l] << 26) + lo[h][l];
+                hi[h] = lo[h] = (v8u){0};
+            }
+            blocks = 0;
+        }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 8; l++) total += ((uint64_t)hi[h][l] << 26) + lo[h][l];
+#else
+    uint64_t lanes[LANES];
+    for (int l = 0; l < LANES; l++) lanes[l] = 0;
+    for (; j0 + LANES <= v; j0 += LANES) {
+        if (ahead < ahead_end) {
             __builtin_prefetch(ahead, 0, 2);
             ahead += 64;
         }
@@ -118,11 +186,12 @@ static void one_row(const float *x, int64_t v, int64_t target, const float *next
             blocks = 0;
         }
     }
+    for (int l = 0; l < LANES; l++) total += lanes[l];
+#endif
     for (; j0 < v; j0++) {
         float d = x[j0] - m;
         total += (uint64_t)exp_fixed(d > FLOOR ? d : FLOOR);
     }
-    for (int l = 0; l < LANES; l++) total += lanes[l];
     *sum_hi = (int64_t)(total >> 32);
     *sum_lo = (int64_t)(total & 0xffffffffu);
 }
@@ -165,6 +234,23 @@ static void *run(void *arg) {
 #ifdef __cplusplus
 extern "C"
 #endif
+const char *ldet_row_sums_variant(void) {
+#if defined(VECTOR_BLOCK) && defined(__AVX2__)
+    return "vector block, AVX2";
+#elif defined(VECTOR_BLOCK) && defined(__ARM_NEON)
+    return "vector block, NEON";
+#elif defined(VECTOR_BLOCK)
+    return "vector block, 128-bit or none";
+#elif defined(__AVX512DQ__)
+    return "auto-vectorised, AVX-512";
+#else
+    return "auto-vectorised (older compiler)";
+#endif
+}
+
+#ifdef __cplusplus
+extern "C"
+#endif
 void ldet_row_sums(const float *logits, const int64_t *ids, int64_t n, int64_t v, int threads, float *top,
                    int64_t *sum_hi, int64_t *sum_lo, float *picked) {
     pthread_t tids[64];
@@ -191,7 +277,14 @@ def _c_float(value: float) -> str:
 
 def _source() -> str:
     horner = "\n".join(f"    p = p * rh + {_c_float(c)};" for c in _portable.POLY[1:])
+
+    def splat(value: float) -> str:
+        return "{" + ", ".join([_c_float(value)] * 8) + "}"
+
     values = {
+        "SPLAT_MAGIC": splat(1.5 * 2.0**23),
+        "SPLAT_P0": splat(_portable.POLY[0]),
+        "SPLAT_FLOOR": splat(_portable.FLOOR),
         "FLOOR": _c_float(_portable.FLOOR),
         "INV_LN2": _c_float(_portable.INV_LN2_F),
         "LN2_HI": _c_float(_portable.LN2_HI),
@@ -224,10 +317,16 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+MARCH_ENV = "LDET_KERNEL_MARCH"
+"""Build the C kernel for this ``-march`` instead of ``native`` (e.g. ``haswell``: the AVX2 kernel, measured on an
+AVX-512 machine); ``benchmarks/perplexity.py`` prints which."""
+
+
 def _flag_sets() -> list[list[str]]:
     base = ["-O3", "-std=c99", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
-    native = ["-march=native"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    march = os.environ.get(MARCH_ENV)
+    native = [f"-march={march or 'native'}"]
+    if platform.machine().lower() in ("x86_64", "amd64") and not march:
         native.append("-mprefer-vector-width=512")  # AVX-512 where there is some; ignored elsewhere
     return [base + native, base]  # without -march=native where the compiler refuses it (some ARM toolchains)
 
@@ -256,6 +355,8 @@ def _compile(compiler: str, flags: list[str], target: str, code: str = SOURCE) -
 
 
 def _declare_row_sums(lib: ctypes.CDLL) -> None:
+    lib.ldet_row_sums_variant.restype = ctypes.c_char_p
+    lib.ldet_row_sums_variant.argtypes = []
     lib.ldet_row_sums.restype = None
     lib.ldet_row_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
@@ -326,6 +427,15 @@ class NativeKernel(LazyLibrary):
 
     def __init__(self) -> None:
         super().__init__(SOURCE, "row_sums", _declare_row_sums)
+
+    def variant(self) -> str | None:
+        """How the built kernel's loop is vectorised: ``"vector block, AVX2"``, ``"auto-vectorised, AVX-512"``, ...
+
+        ``None`` where it cannot be built.
+        """
+        if not self.available():
+            return None
+        return str(self.lib.ldet_row_sums_variant().decode())  # type: ignore[union-attr]
 
     def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """Row max, the row sum's two int64 pieces (:func:`._portable.row_sums`) and the target's logit.

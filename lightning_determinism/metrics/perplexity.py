@@ -21,7 +21,7 @@ from lightning_determinism._compat.checks import AX_TYPE, PLOT_OUT_TYPE
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.exact import TERM_LIMIT, exact_mean, exact_sum, limbs_to_float, zero_limbs
 from lightning_determinism.metrics._exact_metric import ExactMetric, count_nonfinite
-from lightning_determinism.metrics._nll import token_nll, use_compiled
+from lightning_determinism.metrics._nll import KERNEL, token_nll, use_compiled
 from lightning_determinism.metrics._portable import exp_float
 
 
@@ -191,6 +191,10 @@ class DistributedPerplexity(ExactMetric):
             vocabulary (CPU and ``V >= 4096`` compile). One metric keeps one path, whatever the batch.
         kwargs: passed to :class:`torchmetrics.Metric` (``process_group``, ``dist_sync_on_step``, ...).
 
+    The attribute ``kernel`` names the path the last update took (``"C kernel (vector block, AVX2)"``,
+    ``"C kernel (auto-vectorised, AVX-512)"``, ``"Inductor's kernel"``, ``"eager path"``, ``"compiled"`` on CUDA):
+    its speed, never its value.
+
     Raises:
         TypeError: for an ``ignore_index`` that is not an int, or a ``compile`` that is not a bool or None.
         ValueError: for a ``chunk_size`` that is not a positive int.
@@ -234,6 +238,8 @@ class DistributedPerplexity(ExactMetric):
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
         self.compile_kernel = compile  # not `self.compile`: nn.Module.compile is a method
+        # The path the last update took, e.g. "C kernel (vector block, AVX2)", "eager path": the speed, not the value
+        self.kernel: str | None = None
         self._warned_nonfinite = False
         self._warned_empty = False
 
@@ -245,6 +251,10 @@ class DistributedPerplexity(ExactMetric):
     def update(self, preds: Tensor, target: Tensor) -> None:  # type: ignore[override]
         """Add a batch of logits ``[B, T, V]`` (or ``[N, V]``) and token ids ``[B, T]`` (or ``[N]``)."""
         stats = _perplexity_update(preds, target, self.ignore_index, self.chunk_size, self.compile_kernel)
+        compiled = use_compiled(self.compile_kernel, preds.device, int(preds.shape[-1]))
+        self.kernel = (
+            KERNEL.variant() if compiled and preds.device.type == "cpu" else ("compiled" if compiled else "eager path")
+        )
         self._add_limbs(stats.limbs, stats.tokens, stats.nonfinite)
         bad = int(stats.nonfinite.sum())
         if bad and not self._warned_nonfinite:

@@ -132,3 +132,25 @@ def test_a_cached_file_that_does_not_load_is_built_again(monkeypatch, tmp_path):
     outs = top, sum_hi, sum_lo, picked = torch.empty(3), *torch.empty(2, 3, dtype=torch.long), torch.empty(3)
     lib.ldet_row_sums(x.data_ptr(), ids.data_ptr(), 3, 40, 1, *(t.data_ptr() for t in outs))
     assert torch.equal(top, x.amax(-1)) and target.read_bytes() != b"not a library"
+
+
+def test_the_metric_names_the_kernel_its_updates_used(monkeypatch):
+    from lightning_determinism import DistributedPerplexity
+
+    gen = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(4, 4096, generator=gen), torch.randint(4096, (4,), generator=gen)
+    eager = DistributedPerplexity(compile=False)
+    assert eager.kernel is None  # no update yet
+    eager.update(logits, target)
+    assert eager.kernel == "eager path"
+    compiled = DistributedPerplexity(compile=True)
+    compiled.update(logits, target)
+    require_compiled_kernel()
+    built = _nll.KERNEL.native.variant()
+    assert compiled.kernel == f"C kernel ({built})" and built in (
+        "vector block, AVX2", "vector block, NEON", "vector block, 128-bit or none", "auto-vectorised, AVX-512",
+        "auto-vectorised (older compiler)",
+    )  # fmt: skip
+    monkeypatch.setenv(NATIVE_ENV, "0")  # the C kernel turned off: Inductor's
+    compiled.update(logits, target)
+    assert compiled.kernel == "Inductor's kernel"
