@@ -66,9 +66,19 @@ def add_rows_in_order(rows: Tensor) -> Tensor:
 
 
 def all_gather_flat(output: Tensor, chunk: Tensor, group: Any = None, async_op: bool = False) -> Any:
-    """``all_gather`` of equal chunks into one flat tensor (``all_gather_single`` where torch has it)."""
+    """``all_gather`` of equal chunks into one flat tensor (``all_gather_single`` where torch has it).
+
+    A backend without the flat form (gloo in older torch releases) gathers into views of ``output`` instead: the
+    same bytes in the same places.
+    """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, chunk, group=group, async_op=async_op)
+    try:
+        return gather(output, chunk, group=group, async_op=async_op)
+    except RuntimeError as err:
+        if "support" not in str(err):
+            raise
+    rows = list(output.view(-1, chunk.numel()).unbind(0))
+    return dist.all_gather(rows, chunk, group=group, async_op=async_op)
 
 
 class ChunkExchange:

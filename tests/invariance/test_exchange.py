@@ -81,3 +81,22 @@ def test_rows_add_in_the_tree_and_in_rank_order():
 def test_a_flat_tensor_that_the_world_size_does_not_divide_is_refused():
     with pytest.raises(ValueError, match=r"`flat` must hold a multiple of world_size=4 elements, got 10"):
         ChunkExchange(torch.zeros(10), world_size=4)
+
+
+def _gather_without_the_flat_form(rank, world_size, out_dir):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support _allgather_base")  # older torch releases' gloo
+
+    dist.all_gather_single = dist.all_gather_into_tensor = refuse  # in this forked rank only
+    from lightning_determinism.invariance.exchange import all_gather_flat
+
+    out = torch.zeros(3 * world_size)
+    all_gather_flat(out, torch.full((3,), float(rank + 1)), async_op=True).wait()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(out.tolist()))
+
+
+@pytest.mark.distributed
+def test_a_backend_without_the_flat_all_gather_gathers_into_views(tmp_path):
+    run_distributed(_gather_without_the_flat_form, tmp_path, tmp_path)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
