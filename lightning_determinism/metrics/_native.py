@@ -64,15 +64,7 @@ _C_TEMPLATE = r"""
 /* exp(d) * 2**52 rounded, for d in [FLOOR, 0]: _portable._exp_fixed, operation for operation (no FMA). */
 static inline int64_t exp_fixed(float d) {
     float k = __builtin_rintf(d * $INV_LN2);
-    float r_hi = d - k * $LN2_HI;
-    float s = k * $LN2_LO;
-    float rh = r_hi - s;
-    float rl = (r_hi - rh) - s;
-    float p = $P0;
-$HORNER
-    float q = p * (rh * rh) + rl;
-    float e = (rh + q) + 1.0f;
-    int32_t bits;
+$EXP_BODY_FLOAT    int32_t bits;
     memcpy(&bits, &e, 4);
     bits += ((int32_t)k + $SCALE_BITS) << 23;
     memcpy(&e, &bits, 4);
@@ -95,15 +87,7 @@ static inline void exp_half8(v8f *inout) { /* by pointer: no 32-byte vector cros
     v8f d = *inout;
     const v8f magic = $SPLAT_MAGIC;
     v8f k = (d * $INV_LN2 + magic) - magic;
-    v8f r_hi = d - k * $LN2_HI;
-    v8f s = k * $LN2_LO;
-    v8f rh = r_hi - s;
-    v8f rl = (r_hi - rh) - s;
-    v8f p = $SPLAT_P0;
-$HORNER
-    v8f q = p * (rh * rh) + rl;
-    v8f e = (rh + q) + 1.0f;
-    v8i bits;
+$EXP_BODY_V8F    v8i bits;
     memcpy(&bits, &e, 32);
     bits += (__builtin_convertvector(k, v8i) + $SCALE_BITS) << 23;
     memcpy(&e, &bits, 32);
@@ -276,21 +260,30 @@ def _c_float(value: float) -> str:
 
 
 def _source() -> str:
-    horner = "\n".join(f"    p = p * rh + {_c_float(c)};" for c in _portable.POLY[1:])
-
     def splat(value: float) -> str:
         return "{" + ", ".join([_c_float(value)] * 8) + "}"
 
+    def exp_body(kind: str, p0: str) -> str:
+        """``exp(r)``'s steps after ``k``, in one order for the scalar and the vector code (their bits must agree)."""
+        lines = [
+            f"{kind} r_hi = d - k * {_c_float(_portable.LN2_HI)};",
+            f"{kind} s = k * {_c_float(_portable.LN2_LO)};",
+            f"{kind} rh = r_hi - s;",
+            f"{kind} rl = (r_hi - rh) - s;",
+            f"{kind} p = {p0};",
+            *(f"p = p * rh + {_c_float(c)};" for c in _portable.POLY[1:]),
+            f"{kind} q = p * (rh * rh) + rl;",
+            f"{kind} e = (rh + q) + 1.0f;",
+        ]
+        return "".join(f"    {line}\n" for line in lines)
+
     values = {
         "SPLAT_MAGIC": splat(1.5 * 2.0**23),
-        "SPLAT_P0": splat(_portable.POLY[0]),
         "SPLAT_FLOOR": splat(_portable.FLOOR),
         "FLOOR": _c_float(_portable.FLOOR),
         "INV_LN2": _c_float(_portable.INV_LN2_F),
-        "LN2_HI": _c_float(_portable.LN2_HI),
-        "LN2_LO": _c_float(_portable.LN2_LO),
-        "P0": _c_float(_portable.POLY[0]),
-        "HORNER": horner,
+        "EXP_BODY_FLOAT": exp_body("float", _c_float(_portable.POLY[0])),
+        "EXP_BODY_V8F": exp_body("v8f", splat(_portable.POLY[0])),
         "SCALE_BITS": str(_portable.SCALE_BITS),
         "NAN_MARK": str(_portable.NAN_MARK),
     }
