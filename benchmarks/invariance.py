@@ -154,7 +154,7 @@ def _accuracy_rank(rank: int, world: int, store: str, out: str, steps: int) -> N
             ddp += flat[j]
         dist.all_reduce(ddp)
         ddp /= world
-        gradients = tree.GradientTree(parameters, per_rank, world, rank)
+        gradients = tree.GradientTree(parameters, per_rank, world)
         for j in mine:
             for p, g in zip(parameters, leaves[j], strict=True):
                 p.grad = g.clone()

@@ -388,7 +388,7 @@ class InvariantTraining:
                 self._passes_in_window = 0
             return
         if self._tree is None:
-            self._tree = GradientTree(parameters, self.per_rank, self.world_size, self.rank)
+            self._tree = GradientTree(parameters, self.per_rank, self.world_size)
             self._tree.positive_zeros = self._positive_zeros
         self._tree.add_leaf()
         if self._tree.added < self.per_rank:

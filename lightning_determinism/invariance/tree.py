@@ -84,7 +84,6 @@ class GradientTree:
         parameters: the parameters whose gradients are summed, in a fixed order.
         leaves: ``K``, this process's micro-batches per step (a power of two).
         world_size: ``W``, the processes (a power of two).
-        rank: this process's rank.
         group: the process group of the ``W`` processes (``None``: the default one).
         bucket_bytes: gradient bytes per bucket of communication.
 
@@ -104,12 +103,11 @@ class GradientTree:
         parameters: Sequence[torch.nn.Parameter],
         leaves: int,
         world_size: int = 1,
-        rank: int = 0,
         group: Any = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self.parameters = list(parameters)
-        self.leaves, self.world_size, self.rank, self.group = leaves, world_size, rank, group
+        self.leaves, self.world_size, self.group = leaves, world_size, group
         self.positive_zeros = False  # set under FSDP2: its sum of a step's gradients has no -0.0 (invariance.fsdp)
         self._stack: list[tuple[int, list[Tensor]]] = []
         self.added = 0

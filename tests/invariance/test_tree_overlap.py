@@ -47,7 +47,7 @@ def _overlapped_equals_plain(rank, world_size, out_dir):
     results = {}
     for overlap in (False, True):
         model = _model()
-        tree = GradientTree(list(model.parameters()), LEAVES, world_size, rank, bucket_bytes=200)  # several buckets
+        tree = GradientTree(list(model.parameters()), LEAVES, world_size, bucket_bytes=200)  # several buckets
         results[overlap] = _step(model, tree, rank, overlap)
     # Reference: every micro-batch gradient of both processes, summed by the one-process tree, halved.
     model = _model()
@@ -59,7 +59,7 @@ def _overlapped_equals_plain(rank, world_size, out_dir):
             leaves.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
     reference = tree_sum(leaves) / world_size
     record = {
-        "buckets": len(GradientTree(list(model.parameters()), LEAVES, world_size, rank, bucket_bytes=200)._buckets),
+        "buckets": len(GradientTree(list(model.parameters()), LEAVES, world_size, bucket_bytes=200)._buckets),
         "flushed_during_backward": results[True][0],
         "overlapped_equals_plain": torch.equal(results[True][1], results[False][1]),
         "equals_reference": torch.equal(results[True][1], reference),
