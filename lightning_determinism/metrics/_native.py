@@ -420,15 +420,16 @@ class NativeKernel(LazyLibrary):
 
     def __init__(self) -> None:
         super().__init__(SOURCE, "row_sums", _declare_row_sums)
+        self._variant: str | None = None
 
     def variant(self) -> str | None:
         """How the built kernel's loop is vectorised: ``"vector block, AVX2"``, ``"auto-vectorised, AVX-512"``, ...
 
         ``None`` where it cannot be built.
         """
-        if not self.available():
-            return None
-        return str(self.lib.ldet_row_sums_variant().decode())  # type: ignore[union-attr]
+        if self._variant is None and self.available():  # read once: every update names it
+            self._variant = str(self.lib.ldet_row_sums_variant().decode())  # type: ignore[union-attr]
+        return self._variant
 
     def __call__(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """Row max, the row sum's two int64 pieces (:func:`._portable.row_sums`) and the target's logit.
