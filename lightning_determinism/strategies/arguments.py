@@ -233,4 +233,30 @@ def check_mesh_sizes(sizes: tuple[Any, Any], num_nodes: int, world_size: int | N
         )
 
 
-__all__ = ["accepted_keywords", "check_keywords", "check_mesh_sizes", "check_planned_world"]
+def refuse_per_worker_seeds(trainer: Any) -> None:
+    """Refuse a ``WorkerSeedCallback(per_sample=False)`` in world-size-invariant training.
+
+    Its workers draw from a (rank, worker, epoch) stream, so a sample's augmentation depends on which rank loads it:
+    the weights would change with the number of processes, with no word said.
+
+    Raises:
+        ValueError: naming ``WorkerSeedCallback(per_sample=True)``.
+    """
+    from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
+
+    if any(isinstance(cb, WorkerSeedCallback) and not cb.per_sample for cb in getattr(trainer, "callbacks", ())):
+        raise ValueError(
+            "world-size-invariant training (`global_batch_size`, `micro_batch_size`) needs"
+            " `WorkerSeedCallback(per_sample=True)`, got `per_sample=False`: per-worker seeds follow the rank that"
+            " loads a sample, so the weights would change with the number of processes"
+        )
+
+
+__all__ = [
+    "accepted_keywords",
+    "check_keywords",
+    "check_mesh_sizes",
+    "check_planned_world",
+    "follow_trainer_flags",
+    "refuse_per_worker_seeds",
+]

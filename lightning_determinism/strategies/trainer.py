@@ -50,6 +50,7 @@ from lightning_determinism.strategies.arguments import (
     check_planned_world,
     follow_trainer_flags,
     invariant_training,
+    refuse_per_worker_seeds,
 )
 from lightning_determinism.strategies.invariant_clipping import clip_exactly
 from lightning_determinism.strategies.launchers import (
@@ -378,25 +379,6 @@ class DeterministicSingleDeviceStrategy(DeterministicStrategyMixin, SingleDevice
         >>> DeterministicSingleDeviceStrategy(seed=5, device="cpu").root_device
         device(type='cpu')
     """
-
-
-def refuse_per_worker_seeds(trainer: pl.Trainer) -> None:
-    """Refuse a ``WorkerSeedCallback(per_sample=False)`` in world-size-invariant training.
-
-    Its workers draw from a (rank, worker, epoch) stream, so a sample's augmentation depends on which rank loads it:
-    the weights would change with the number of processes, with no word said.
-
-    Raises:
-        ValueError: naming ``WorkerSeedCallback(per_sample=True)``.
-    """
-    from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
-
-    if any(isinstance(cb, WorkerSeedCallback) and not cb.per_sample for cb in getattr(trainer, "callbacks", ())):
-        raise ValueError(
-            "world-size-invariant training (`global_batch_size`, `micro_batch_size`) needs"
-            " `WorkerSeedCallback(per_sample=True)`, got `per_sample=False`: per-worker seeds follow the rank that"
-            " loads a sample, so the weights would change with the number of processes"
-        )
 
 
 __all__ = [
