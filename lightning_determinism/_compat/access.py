@@ -215,38 +215,6 @@ def trainer_torch_flags() -> tuple[Any, Any] | None:
     return None
 
 
-def suspend_checkpoint_versions(callbacks: Any) -> list[tuple[Any, Any]]:
-    """Have each ``ModelCheckpoint`` write over a file of the name it picks instead of adding ``-v1``.
-
-    Returns what :func:`restore_checkpoint_versions` puts back (Lightning's ``enable_version_counter``, kept privately).
-    """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    saved = []
-    for callback in callbacks:
-        if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_enable_version_counter"):
-            saved.append((callback, callback._enable_version_counter))
-            callback._enable_version_counter = False
-    return saved
-
-
-def restore_checkpoint_versions(saved: list[tuple[Any, Any]]) -> None:
-    """Undo :func:`suspend_checkpoint_versions`."""
-    for callback, enabled in saved:
-        callback._enable_version_counter = enabled
-
-
-def shut_down_training_workers(trainer: Any) -> None:
-    """Stop the training loader's worker processes now (its iterator dropped), as Lightning's teardown of a fit does.
-
-    Lightning tears down only the loop running when a fit stops: stopped in a validation pass, the training loop's
-    iterator (and its workers) would live on.
-    """
-    fetcher = _private(trainer.fit_loop, "_data_fetcher")
-    if fetcher is not None:
-        fetcher.teardown()
-
-
 def module_trainer(module: Any) -> Any:
     """The trainer a ``LightningModule`` is attached to, ``None`` if none (or no module)."""
     return None if module is None else _private(module, "_trainer")
@@ -349,54 +317,13 @@ def extra_distributed_entries(entries: dict[str, Any]) -> Iterator[None]:
             module._distributed_checkpoint_save = original  # type: ignore[attr-defined]
 
 
-def start_scope_profiler(cuda: bool = False, operators: bool = False) -> None:
-    """Start torch's profiler for user scopes only; stop it with :func:`stop_scope_profiler`.
-
-    User scopes: ``record_function`` blocks and the process-group backends' spans (``gloo:all_reduce``,
-    ``nccl:all_reduce``, ...), and on CUDA the device's kernels; not the thousands of operator calls of a step (each
-    one a recorded event under ``torch.profiler.profile``: 40 ms more for a 25 ms GRU step, against about 2 ms) unless
-    ``operators``.
-    """
-    import torch.autograd
-    from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope, _ExperimentalConfig
-
-    activities = {ProfilerActivity.CPU, ProfilerActivity.CUDA} if cuda else {ProfilerActivity.CPU}
-    config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig())
-    _private(torch.autograd, "_prepare_profiler")(config, activities)
-    scopes = {RecordScope.USER_SCOPE, RecordScope.FUNCTION} if operators else {RecordScope.USER_SCOPE}
-    _private(torch.autograd, "_enable_profiler")(config, activities, scopes)
-
-
-def stop_scope_profiler(keep: Any = None) -> list[tuple[str, float, bool]]:
-    """Stop :func:`start_scope_profiler`'s profiler; its events as ``(name, duration in µs, on a device)``.
-
-    ``keep(name)``: only the events it accepts (the others' durations are never read: each read crosses into C++).
-    """
-    import torch.autograd
-
-    results = _private(torch.autograd, "_disable_profiler")()
-    named = ((e, e.name()) for e in results.events())
-    return [(name, e.duration_ns() / 1e3, "cuda" in str(e.device_type()).lower())
-            for e, name in named if keep is None or keep(name)]  # fmt: skip
-
-
-def profiler_running() -> bool:
-    """Whether a torch profiler is collecting events in this process (a nested one would stop it)."""
-    import torch.autograd
-
-    return bool(_private(torch.autograd, "_profiler_enabled")())
-
-
 def metric_defaults(metric: Any) -> dict[str, Any]:
     """A torchmetrics ``Metric``'s state defaults (what ``reset()`` restores)."""
     return _private(metric, "_defaults")  # type: ignore[no-any-return]
 
 
 __all__ = [
-    "restore_checkpoint_versions",
-    "suspend_checkpoint_versions",
     "trainer_torch_flags",
-    "shut_down_training_workers",
     "accelerator_connector",
     "checkpoint_connector",
     "checkpoint_connector_class",
@@ -425,10 +352,7 @@ __all__ = [
     "logs_hyperparameters",
     "metric_defaults",
     "module_trainer",
-    "profiler_running",
     "replace_ckpt_path_hooks",
-    "start_scope_profiler",
-    "stop_scope_profiler",
     "replace_backward_sync_control",
     "saves_distributed_checkpoint",
     "set_fabric_iterations",

@@ -1,4 +1,7 @@
-"""The fit loop's private pieces that replaying a resumed fit reads and calls (``callbacks._resume_replay``).
+"""The fit loop's private pieces that replaying a resumed fit (and stopping a preempted one) reads and calls.
+
+``callbacks._resume_replay`` replays what a resumed fit skips; ``callbacks.preemption`` tears down the training
+loader of a fit stopped in a validation pass.
 
 Lightning has no public hook between restoring a checkpoint and the first resumed batch, nor a public view of where
 its loops restart: the restart stages, the progress counters and the loops' own steps are read and called here, each
@@ -111,7 +114,42 @@ def keep_stepping_plateau(trainer: Any) -> None:
     trainer.fit_loop._restarting = False
 
 
+def suspend_checkpoint_versions(callbacks: Any) -> list[tuple[Any, Any]]:
+    """Have each ``ModelCheckpoint`` write over a file of the name it picks instead of adding ``-v1``.
+
+    Returns what :func:`restore_checkpoint_versions` puts back (Lightning's ``enable_version_counter``, kept privately).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saved = []
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_enable_version_counter"):
+            saved.append((callback, callback._enable_version_counter))
+            callback._enable_version_counter = False
+    return saved
+
+
+def restore_checkpoint_versions(saved: list[tuple[Any, Any]]) -> None:
+    """Undo :func:`suspend_checkpoint_versions`."""
+    for callback, enabled in saved:
+        callback._enable_version_counter = enabled
+
+
+def shut_down_training_workers(trainer: Any) -> None:
+    """Stop the training loader's worker processes now (its iterator dropped), as Lightning's teardown of a fit does.
+
+    Lightning tears down only the loop running when a fit stops: stopped in a validation pass, the training loop's
+    iterator (and its workers) would live on.
+    """
+    fetcher = _private(trainer.fit_loop, "_data_fetcher")
+    if fetcher is not None:
+        fetcher.teardown()
+
+
 __all__ = [
+    "restore_checkpoint_versions",
+    "shut_down_training_workers",
+    "suspend_checkpoint_versions",
     "AFTER_BATCH",
     "EPOCH_END",
     "MID_EPOCH",

@@ -43,7 +43,6 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_determinism._compat import loops
-from lightning_determinism._compat.access import restore_checkpoint_versions, suspend_checkpoint_versions
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.seeding.isolation import evaluation_streams
 from lightning_determinism.seeding.rank_states import digest
@@ -152,7 +151,7 @@ class ResumeReplay(Callback):
         self._end_replayed_pass()
 
     def _end_replayed_pass(self) -> None:
-        restore_checkpoint_versions(self._versions)
+        loops.restore_checkpoint_versions(self._versions)
         self._versions = []
 
     @override
@@ -205,7 +204,7 @@ class ResumeReplay(Callback):
             loops.shift_epoch_counters(trainer, processed=-1, completed=-1)
             batches.increment_completed()
             loops.end_restart(trainer)  # and the next epoch starts as in the uninterrupted run, with its hooks
-            self._versions = suspend_checkpoint_versions(trainer.callbacks)  # type: ignore[attr-defined]
+            self._versions = loops.suspend_checkpoint_versions(trainer.callbacks)  # type: ignore[attr-defined]
             loops.finish_batch(trainer)
             loops.finish_epoch(trainer)
         elif stage == loops.EPOCH_END:  # written in on_train_epoch_end: the plateau step came after the hooks
@@ -255,7 +254,7 @@ class ResumeReplay(Callback):
         # The interrupted run may have run this pass already and written its ModelCheckpoint files (a job that died
         # after the pass, resumed from the checkpoint before it): the replayed pass writes over them, as the
         # uninterrupted run wrote them once, instead of adding a `-v1` copy that best_k_models would then point to.
-        self._versions = suspend_checkpoint_versions(trainer.callbacks)  # type: ignore[attr-defined]
+        self._versions = loops.suspend_checkpoint_versions(trainer.callbacks)  # type: ignore[attr-defined]
         trainer.fit_loop.epoch_loop.val_loop.restarting = False
         loops.finish_batch(trainer)
         return None

@@ -29,11 +29,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_determinism._compat import loops
 from lightning_determinism._compat.access import (
     accelerator_connector,
     keep_ignored_after_teardown,
     should_accumulate,
-    shut_down_training_workers,
     slurm_requeue,
 )
 from lightning_determinism._compat.checks import require
@@ -185,7 +185,7 @@ class PreemptionCheckpoint(Callback):
         # Lightning's teardown stops the validation loader's workers, not the training loader's: they would keep the
         # process from exiting (multiprocessing joins them, and the SIGTERM it sends them runs this callback's handler,
         # which a forked worker inherited).
-        shut_down_training_workers(trainer)
+        loops.shut_down_training_workers(trainer)
         self._exit(trainer, signum)
 
     @override

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_determinism._compat.access import profiler_running, start_scope_profiler, stop_scope_profiler
+from lightning_determinism._compat.profiler import profiler_running, start_scope_profiler, stop_scope_profiler
 from lightning_determinism._process import distributed
 
 BACKEND_PREFIXES = ("gloo:", "nccl:")

@@ -298,7 +298,7 @@ def _profiled_window(rank, world_size, out):
 
     from torch.profiler import profile
 
-    from lightning_determinism._compat.access import start_scope_profiler, stop_scope_profiler
+    from lightning_determinism._compat.profiler import start_scope_profiler, stop_scope_profiler
     from lightning_determinism.divergence.step_costs import StepCosts
 
     big, a = torch.ones(1 << 20), torch.randn(256, 256)
