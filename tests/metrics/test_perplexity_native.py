@@ -151,6 +151,10 @@ def test_the_metric_names_the_kernel_its_updates_used(monkeypatch):
         "vector block, AVX2", "vector block, NEON", "vector block, 128-bit or none", "auto-vectorised, AVX-512",
         "auto-vectorised (older compiler)",
     )  # fmt: skip
+    import pickle
+
+    # what a spawned rank and metric.clone() carry: the same name
+    assert pickle.loads(pickle.dumps(compiled)).kernel == compiled.clone().kernel == compiled.kernel
     monkeypatch.setenv(NATIVE_ENV, "0")  # the C kernel turned off: Inductor's
     compiled.update(logits, target)
     assert compiled.kernel == "Inductor's kernel"

@@ -111,3 +111,15 @@ def test_the_invariant_mode_refuses_deterministic_false():
     strategy = DeterministicDDPStrategy(seed=1, global_batch_size=8, micro_batch_size=2)
     with pytest.raises(ValueError, match=r"needs deterministic kernels: Trainer\(deterministic=False\) turns them off"):
         _trainer(strategy, deterministic=False)
+
+
+def test_what_the_flags_decided_travels_to_spawned_ranks():
+    import pickle
+
+    # A spawn launcher pickles the strategy: its ranks apply the mode and benchmark the main process settled
+    for strategy, flags, want in (
+        ("ddp_spawn_deterministic", {"deterministic": "warn"}, (1, None)),
+        (DeterministicDDPStrategy(seed=1, debug_mode="default"), {"benchmark": False}, (0, False)),
+    ):
+        steps = pickle.loads(pickle.dumps(_trainer(strategy, **flags).strategy))._ldet_steps
+        assert (steps.debug_mode, steps.benchmark) == want
