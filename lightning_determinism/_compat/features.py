@@ -30,6 +30,7 @@ INVARIANT = "world-size-invariant training (clipping, the batch-norm check)"
 KERNEL = "the compiled perplexity kernel"
 METRICS = "the exact metrics (DistributedPerplexity, DistributedMean)"
 PLOTS = "the exact metrics' plot() types"
+BATCH_INVARIANT = "batch-invariant evaluation (kernels registered over ATen's)"
 
 NEWER_TORCH: dict[str, str] = {INVARIANT_FSDP2: "2.9", UNEVEN_STRIDED: "2.10"}
 """The features that need a torch newer than :data:`TORCH_FLOOR`: there they refuse, the rest of the package works."""
@@ -49,11 +50,13 @@ FEATURES: dict[str, str] = {
     KERNEL: TESTED,
     METRICS: f"{TESTED}, torchmetrics 1.4 to 1.9",
     PLOTS: "torchmetrics 1.4 to 1.9",
+    BATCH_INVARIANT: TESTED,
 }
 """Each feature and the versions it is tested on (docs/compatibility.md has the table)."""
 
 __all__ = [
     "BASELINE",
+    "BATCH_INVARIANT",
     "DTENSOR",
     "FABRIC",
     "FEATURES",

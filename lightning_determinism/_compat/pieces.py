@@ -20,6 +20,7 @@ import torch
 
 from lightning_determinism._compat.features import (
     BASELINE,
+    BATCH_INVARIANT,
     DTENSOR,
     FABRIC,
     INVARIANT,
@@ -394,6 +395,8 @@ PIECES: tuple[Piece, ...] = (
           and _exists("torchmetrics:Metric._plot")()),
     Piece(PLOTS, "torchmetrics.utilities.plot._AX_TYPE, _PLOT_OUT_TYPE",
           "the types of `Metric.plot`, which the metrics keep", _exists("torchmetrics.utilities.plot:_PLOT_OUT_TYPE")),
+    Piece(BATCH_INVARIANT, "torch.library.Library._destroy", "takes back the kernels registered over ATen's when"
+          " the mode ends (no public way but the garbage collector)", _exists("torch.library:Library._destroy")),
 )  # fmt: skip
 
 __all__ = ["PIECES", "Piece"]

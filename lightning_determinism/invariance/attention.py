@@ -1,0 +1,133 @@
+"""Attention whose output for a query does not depend on the batch, the number of heads batched, or trailing padding.
+
+A fused attention kernel blocks the keys by the sequence length and the rows by the batch: the same query over the
+same keys gets other bits when its batch is padded longer or holds more samples. :func:`invariant_attention` computes
+scaled dot-product attention from pieces of one shape each: the keys in blocks of ``key_block`` (the last one padded
+with masked keys), the query rows in the matrix-product tiles of
+:func:`~lightning_determinism.invariance.batch_invariant.batch_invariant`, and an online softmax over the blocks in
+their order. A block in which every key is masked for a query (the padding after a causal sample's end, the keys
+beyond a short sequence) leaves that query's running maximum, sum and output exactly as they were (``exp(0) = 1``,
+``exp(-inf) = 0``), so padding never moves a bit. Half-precision inputs are computed in float32 (an exact widening)
+and the output rounded back once.
+
+Cost: one pass over the keys per block, as a flash kernel makes, in Python: a few µs per block and layer.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+DEFAULT_KEY_BLOCK = 64
+"""Keys per block: short evaluation sequences take one block, long ones a loop of few iterations."""
+
+
+def _mask_of(
+    attn_mask: torch.Tensor | None, is_causal: bool, batch: tuple[int, ...], length: int, keys: int, padded: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(where a key takes no part: bool ``(B, L, S')``, an additive float mask ``(B, L, S')``), padded keys masked."""
+    device = None if attn_mask is None else attn_mask.device
+    blocked: torch.Tensor | None = None
+    additive: torch.Tensor | None = None
+    if attn_mask is not None:
+        mask = attn_mask.expand(*batch, length, keys).reshape(-1, length, keys)
+        if mask.dtype == torch.bool:
+            blocked = ~mask
+        else:
+            additive = mask.float()
+    if is_causal:  # torch's convention: key j takes part for query i when j <= i
+        rows = torch.arange(length, device=device).unsqueeze(1)
+        causal = torch.arange(keys, device=device).unsqueeze(0) > rows
+        blocked = causal.unsqueeze(0) if blocked is None else blocked | causal
+    if padded > keys:
+        if blocked is not None:
+            blocked = torch.cat((blocked, blocked.new_ones((*blocked.shape[:-1], padded - keys))), dim=-1)
+        if additive is not None:
+            additive = torch.cat((additive, additive.new_zeros((*additive.shape[:-1], padded - keys))), dim=-1)
+        if blocked is None:
+            blocked = torch.zeros((1, length, padded), dtype=torch.bool, device=device)
+            blocked[..., keys:] = True
+    return blocked, additive
+
+
+def invariant_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    key_block: int = DEFAULT_KEY_BLOCK,
+) -> torch.Tensor:
+    """Scaled dot-product attention, as ``F.scaled_dot_product_attention`` takes it, computed batch-invariantly.
+
+    Args:
+        query: ``(..., L, E)``.
+        key: ``(..., S, E)``.
+        value: ``(..., S, Ev)``.
+        attn_mask: boolean (``True`` takes part) or additive, broadcastable to ``(..., L, S)``.
+        dropout_p: must be 0: evaluation draws no attention dropout here.
+        is_causal: mask key ``j`` for query ``i`` when ``j > i``.
+        scale: the scores' factor; default ``1 / sqrt(E)``.
+        enable_gqa: repeat the key and value heads to the query's (grouped-query attention).
+        key_block: keys per block.
+
+    Returns:
+        ``(..., L, Ev)`` in the query's dtype.
+
+    Raises:
+        ValueError: if ``dropout_p`` is not 0, or ``attn_mask`` and ``is_causal`` are both given.
+
+    Examples:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> q, k, v = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+        >>> out = invariant_attention(q, k, v, is_causal=True)
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> torch.allclose(out, ref, atol=1e-6)
+        True
+    """
+    if dropout_p != 0:
+        raise ValueError(f"batch-invariant attention draws no dropout: `dropout_p` must be 0, got {dropout_p}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("`attn_mask` and `is_causal` cannot both be given (as in F.scaled_dot_product_attention)")
+    dtype = query.dtype
+    wide = (torch.float16, torch.bfloat16)
+    q, k, v = (t.float() if t.dtype in wide else t for t in (query, key, value))
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    length, keys, width = q.shape[-2], k.shape[-2], v.shape[-1]
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q = (q * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)).expand(*batch, *q.shape[-2:])
+    q = q.reshape(-1, length, q.shape[-1])
+    k = k.expand(*batch, *k.shape[-2:]).reshape(-1, keys, k.shape[-1])
+    v = v.expand(*batch, *v.shape[-2:]).reshape(-1, keys, width)
+    blocks = max(1, -(-keys // key_block))
+    padded = blocks * key_block
+    if padded > keys:
+        k = torch.cat((k, k.new_zeros((k.shape[0], padded - keys, k.shape[2]))), dim=1)
+        v = torch.cat((v, v.new_zeros((v.shape[0], padded - keys, width))), dim=1)
+    blocked, additive = _mask_of(attn_mask, is_causal, tuple(batch), length, keys, padded)
+    n = q.shape[0]
+    best = q.new_full((n, length, 1), float("-inf"))
+    total = q.new_zeros((n, length, 1))
+    out = q.new_zeros((n, length, width))
+    for start in range(0, padded, key_block):
+        stop = start + key_block
+        scores = torch.bmm(q, k[:, start:stop].transpose(1, 2))
+        if additive is not None:
+            scores = scores + additive[..., start:stop]
+        if blocked is not None:
+            scores = scores.masked_fill(blocked[..., start:stop], float("-inf"))
+        new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+        shift = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # all masked so far: 0
+        decay = torch.exp(best - shift)
+        weights = torch.exp(scores - shift)
+        total = total * decay + weights.sum(dim=-1, keepdim=True)
+        out = out * decay + torch.bmm(weights, v[:, start:stop])
+        best = new_best
+    return (out / total).reshape(*batch, length, width).to(dtype)

@@ -1,0 +1,221 @@
+"""Batch-invariant evaluation: a sample's outputs do not depend on its batch, the batch size, padding or the world size.
+
+The metrics sum exactly, but the model's forward is not batch-invariant: kernels pick their code path by shape. Measured
+on a 2-core AVX-512 CPU (torch 2.13, MKL 2024.2): a float32 matrix product gives other last bits for a row when the
+matrix has 1-3, 5-7 or 9-11 rows; ``linear`` fuses the bias into the product (``addmm``) or adds it afterwards
+(``mm`` then ``add_``) depending on the input's memory layout, which a GRU's input has one way at batch 1 and the other
+way at batch 16; CPU attention kernels block the keys by the sequence length. So a sample's logits change with what
+else is in its batch, and an evaluation's perplexity with the eval batch size and the number of processes (1e-10
+relative in float32, 4e-5 under bf16 autocast, where one flipped bit is a bf16 step).
+
+:func:`batch_invariant` makes every such kernel see one shape while it is on:
+
+- ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` (CPU, and CUDA where there is one) run in row tiles of exactly ``rows``
+  rows (the last one padded with zero rows), the rows laid out contiguously: every product the BLAS computes has one
+  row count, so a row's bits depend on its own values and the other operand only (no GEMM reduces across rows).
+  ``addmm`` and ``baddbmm`` are computed as the product, then ``add_`` of the bias: the form ``linear`` takes for a
+  non-contiguous input, so both of ``linear``'s forms give the same bits.
+- ``scaled_dot_product_attention`` runs :func:`~lightning_determinism.invariance.attention.invariant_attention`:
+  keys in fixed blocks with an online softmax, in which a block that is wholly masked (padding after a causal
+  sample's end) changes nothing, bit for bit.
+- ``nn.MultiheadAttention``'s fused fast path is off (its kernel has no row tiles): it takes the path above.
+
+Everything else a forward does (elementwise ops, embedding, layer norm, softmax over a fixed dimension) computes
+each row by itself, which the tests check bitwise for a GRU language model and a causal transformer, float32 and bf16
+autocast, at eval batch sizes 1, 4 and 16 on 1, 2 and 3 processes. Not covered: convolutions, recurrent layers with
+``num_layers > 1`` and dropout between them in train mode, and kernels of other libraries.
+
+Cost (``benchmarks/batch_invariant.py``): the Python call per product (a few µs), the padding of the last tile and the
+attention's Python loop over key blocks; no extra memory beyond one tile.
+
+While it is on, the overrides hold for the whole process (they are registered with torch's dispatcher): evaluation is
+the only thing running in the Lightning loops that turn it on. Nesting is allowed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lightning_determinism._compat.checks import require
+from lightning_determinism._compat.features import BATCH_INVARIANT
+from lightning_determinism._compat.operators import destroy_library
+from lightning_determinism.invariance.attention import DEFAULT_KEY_BLOCK, invariant_attention
+
+DEFAULT_ROWS = {"cpu": 16, "cuda": 128}
+"""Rows per tile by device: 16 is the smallest row count from which MKL's float32 GEMM takes one path on the CPUs
+measured; a GPU's GEMM tiles are larger (a 128-row tile wastes nothing there)."""
+
+_ACTIVE: list[dict[str, Any]] = []  # the settings of the modes entered, innermost last
+_STATE: dict[str, Any] = {"library": None, "fastpath": None, "function_mode": None}
+
+_MM_OUT = torch.ops.aten.mm.out
+_BMM_OUT = torch.ops.aten.bmm.out
+
+
+def _rows(device: torch.device) -> int:
+    return int(_ACTIVE[-1]["rows"][device.type if device.type in DEFAULT_ROWS else "cpu"])
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m, n = a.shape[0], b.shape[1]
+    if not a.is_floating_point() or m == 0:
+        return _MM_OUT(a, b, out=a.new_empty((m, n)))
+    rows = _rows(a.device)
+    a = a.contiguous()  # one layout: a transposed operand takes other packing routines
+    out = a.new_empty((m, n))
+    full = m - m % rows
+    for i in range(0, full, rows):
+        _MM_OUT(a[i : i + rows], b, out=out[i : i + rows])
+    if full < m:  # the last rows, padded to a whole tile
+        tail = torch.cat((a[full:], a.new_zeros((rows - (m - full), a.shape[1]))))
+        out[full:] = _MM_OUT(tail, b, out=a.new_empty((rows, n)))[: m - full]
+    return out
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    batch, m, n = a.shape[0], a.shape[1], b.shape[2]
+    if not a.is_floating_point() or m == 0 or batch == 0:
+        return _BMM_OUT(a, b, out=a.new_empty((batch, m, n)))
+    rows = _rows(a.device)
+    if batch == 1:  # a batch of one may take the plain GEMM's path: every call has at least two entries
+        return _bmm(torch.cat((a, a)), b.expand(2, *b.shape[1:]))[:1]
+    tiles = -(-m // rows)
+    if tiles * rows != m:
+        a = torch.cat((a, a.new_zeros((batch, tiles * rows - m, a.shape[2]))), dim=1)
+    a = a.contiguous()
+    if tiles == 1:
+        out = _BMM_OUT(a, b, out=a.new_empty((batch, rows, n)))
+        return out if rows == m else out[:, :m].contiguous()
+    parts = [_BMM_OUT(a[:, i : i + rows], b, out=a.new_empty((batch, rows, n))) for i in range(0, tiles * rows, rows)]
+    return torch.cat(parts, dim=1)[:, :m].contiguous()
+
+
+def _with_bias(product: torch.Tensor, bias: torch.Tensor, beta: Any, alpha: Any) -> torch.Tensor:
+    if alpha != 1:
+        product.mul_(alpha)
+    if beta == 0:  # addmm ignores the bias then, NaN included
+        return product
+    return product.add_(bias) if beta == 1 else product.add_(bias, alpha=beta)
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    return _with_bias(_mm(a, b), bias, beta, alpha)
+
+
+def _baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    return _with_bias(_bmm(a, b), bias, beta, alpha)
+
+
+_OVERRIDES = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm}
+
+
+class _AttentionRouting(TorchFunctionMode):
+    """Send ``F.scaled_dot_product_attention`` to the batch-invariant attention while the mode is on."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return invariant_attention(*args, key_block=_ACTIVE[-1]["key_block"], **kwargs)
+        return func(*args, **kwargs)
+
+
+def _devices() -> list[str]:
+    return ["CPU", "CUDA"] if torch.cuda.is_available() else ["CPU"]
+
+
+def _turn_on() -> None:
+    library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (overrides of existing kernels, on purpose)
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore")
+        for key in _devices():
+            for name, kernel in _OVERRIDES.items():
+                library.impl(name, kernel, key)
+    _STATE["library"] = library
+    _STATE["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    mode = _AttentionRouting()
+    mode.__enter__()
+    _STATE["function_mode"] = mode
+
+
+def _turn_off() -> None:
+    mode, _STATE["function_mode"] = _STATE["function_mode"], None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    torch.backends.mha.set_fastpath_enabled(bool(_STATE["fastpath"]))
+    library, _STATE["library"] = _STATE["library"], None
+    if library is not None:
+        destroy_library(library)
+
+
+def _check(name: str, value: int | None, low: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"`{name}` must be at least {low}, got {value}")
+
+
+@contextmanager
+def batch_invariant(rows: int | None = None, key_block: int = DEFAULT_KEY_BLOCK) -> Iterator[None]:
+    """Compute every sample's outputs independently of its batch, for the length of a block.
+
+    Args:
+        rows: rows per matrix-product tile; default 16 on CPU and 128 on CUDA (:data:`DEFAULT_ROWS`). Outputs agree
+            bitwise between runs with the same ``rows``, whatever the batch.
+        key_block: keys per attention block (see :func:`~lightning_determinism.invariance.attention.invariant_attention`).
+
+    Raises:
+        TypeError: if ``rows`` or ``key_block`` is not an int.
+        ValueError: if ``rows`` or ``key_block`` is below 1.
+
+    The deterministic strategies turn it on for their evaluation loops with ``batch_invariant=True``.
+
+    Examples:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> layer, x = torch.nn.Linear(512, 512), torch.randn(16, 512)
+        >>> with torch.no_grad(), batch_invariant():
+        ...     alone, together = layer(x[:1]), layer(x)
+        >>> torch.equal(alone[0], together[0])
+        True
+    """
+    _check("rows", rows, 1)
+    _check("key_block", key_block, 1)
+    require(BATCH_INVARIANT)
+    settings = {"rows": dict(DEFAULT_ROWS) if rows is None else dict.fromkeys(DEFAULT_ROWS, rows)}
+    settings["key_block"] = key_block
+    _ACTIVE.append(settings)
+    if len(_ACTIVE) == 1:
+        try:
+            _turn_on()
+        except BaseException:
+            _ACTIVE.pop()
+            _turn_off()
+            raise
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+        if not _ACTIVE:
+            _turn_off()
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether :func:`batch_invariant` is on in this process.
+
+    Examples:
+        >>> batch_invariant_enabled()
+        False
+        >>> with batch_invariant():
+        ...     batch_invariant_enabled()
+        True
+    """
+    return bool(_ACTIVE)
