@@ -31,6 +31,8 @@ from lightning_determinism.divergence.diagnosis import (
 )
 from lightning_determinism.divergence.fingerprint import fingerprint, tensor_fingerprints
 from lightning_determinism.errors import DeterminismWarning, IncompatibleVersionError
+from lightning_determinism.invariance.attention import invariant_attention
+from lightning_determinism.invariance.batch_invariant import batch_invariant, batch_invariant_enabled
 from lightning_determinism.metrics import DistributedMean, DistributedPerplexity, perplexity
 from lightning_determinism.parallel.topology import GroupInfo, Topology, model_parallel_seed, stream_seeds
 from lightning_determinism.seeding.backends import configure_determinism, determinism_report
@@ -42,6 +44,7 @@ from lightning_determinism.seeding.rng import (
     get_rng_tracker,
     restore_rng_state,
 )
+from lightning_determinism.seeding.sample_streams import SampleStreams, sample_seed, sample_streams
 from lightning_determinism.seeding.seeds import derive_seed, set_seed
 from lightning_determinism.strategies.fabric import (
     DeterministicFabricDDPStrategy,
@@ -101,10 +104,13 @@ __all__ = [
     "RNGStateCheckpoint",
     "RNGStatesTracker",
     "ReplicaGuard",
+    "SampleStreams",
     "Topology",
     "UnpaddedDistributedSampler",
     "WorkerSeedCallback",
     "__version__",
+    "batch_invariant",
+    "batch_invariant_enabled",
     "bisect_checkpoints",
     "capture_rng_state",
     "compare_baselines",
@@ -117,6 +123,7 @@ __all__ = [
     "fingerprint",
     "generator",
     "get_rng_tracker",
+    "invariant_attention",
     "load_baseline",
     "load_probe",
     "log_determinism_record",
@@ -127,6 +134,8 @@ __all__ = [
     "register_model_parallel_strategy",
     "register_strategies",
     "restore_rng_state",
+    "sample_seed",
+    "sample_streams",
     "set_seed",
     "stream_seeds",
     "tensor_fingerprints",

@@ -7,6 +7,7 @@ The entries (flat ``determinism/...`` keys, see :mod:`~lightning_determinism.div
   ``world_size``, ``strategy``, ``precision``;
 - ``mesh/<dimension>`` (a device mesh's sizes), ``topology/<axis>`` (the strategies' ``topology=`` degrees),
   ``invariant/global_batch_size``, ``invariant/micro_batch_size``, ``invariant/micro_batches_per_rank`` (B, m, K);
+  ``batch_invariant`` (``True`` where evaluation runs batch-invariantly, absent otherwise);
 - ``version/<package>`` (python, torch, lightning, numpy, torchmetrics, lightning_determinism), ``backend/<flag>``
   (:func:`~lightning_determinism.determinism_report`'s flags);
 - ``rank_<r>/local_seed`` and ``rank_<r>/<stream>``: a digest (16 hex digits of a sha256) of each stream rank ``r``
@@ -141,6 +142,7 @@ def build_record(
         "mesh": _mesh(strategy),
         "topology": _degrees(getattr(steps, "topology", None)),
         "invariant": None if invariant is None else invariant.state(),
+        "batch_invariant": getattr(strategy, "batch_invariant", None) or None,  # absent when off: older records agree
         "version": {name: report[name] for name in _VERSIONS},
         "backend": {key: value for key, value in report.items() if key not in _NOT_FLAGS},
         **{f"rank_{rank}": dict(streams) for rank, streams in enumerate(ranks)},

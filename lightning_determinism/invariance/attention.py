@@ -16,6 +16,7 @@ Cost: one pass over the keys per block, as a flash kernel makes, in Python: a fe
 from __future__ import annotations
 
 import math
+
 import torch
 
 DEFAULT_KEY_BLOCK = 64

@@ -170,7 +170,7 @@ def batch_invariant(rows: int | None = None, key_block: int = DEFAULT_KEY_BLOCK)
     Args:
         rows: rows per matrix-product tile; default 16 on CPU and 128 on CUDA (:data:`DEFAULT_ROWS`). Outputs agree
             bitwise between runs with the same ``rows``, whatever the batch.
-        key_block: keys per attention block (see :func:`~lightning_determinism.invariance.attention.invariant_attention`).
+        key_block: keys per attention block (:func:`~lightning_determinism.invariance.attention.invariant_attention`).
 
     Raises:
         TypeError: if ``rows`` or ``key_block`` is not an int.
@@ -190,8 +190,10 @@ def batch_invariant(rows: int | None = None, key_block: int = DEFAULT_KEY_BLOCK)
     _check("rows", rows, 1)
     _check("key_block", key_block, 1)
     require(BATCH_INVARIANT)
-    settings = {"rows": dict(DEFAULT_ROWS) if rows is None else dict.fromkeys(DEFAULT_ROWS, rows)}
-    settings["key_block"] = key_block
+    settings: dict[str, Any] = {
+        "rows": dict(DEFAULT_ROWS) if rows is None else dict.fromkeys(DEFAULT_ROWS, rows),
+        "key_block": key_block,
+    }
     _ACTIVE.append(settings)
     if len(_ACTIVE) == 1:
         try:

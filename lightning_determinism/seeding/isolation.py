@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ from lightning_determinism.seeding.seeds import _rank_and_world_size, current_se
 
 _SAVED: list[dict[str, Any]] = []  # the training states, outermost first, while evaluation streams are active
 _PASS: list[tuple[str, int, int]] = []  # (stage, epoch, step) of the evaluation pass under way
+_PASS_CALL: list[int] = []  # which call of its (stage, epoch, step) the pass under way is
 _LOAD_PATCH: dict[str, Any] = {"count": 0, "original": None}  # LightningModule.load_from_checkpoint while wrapped
 _CALLS: dict[tuple[Any, ...], int] = {}  # the standalone passes (validate, test, predict) of this process, by key
 
@@ -116,11 +117,13 @@ def evaluation_streams(
     seed = evaluation_seed(base_seed, stage, epoch, step, rank, call)
     _SAVED.append(_save())
     _PASS.append((stage, int(epoch), int(step)))
+    _PASS_CALL.append(int(call))
     try:
         _seed(seed)
         yield seed
     finally:
         _PASS.pop()
+        _PASS_CALL.pop()
         _restore(_SAVED.pop())
 
 
@@ -171,6 +174,17 @@ def current_evaluation_pass() -> tuple[str, int, int] | None:
     return _PASS[-1] if _PASS else None
 
 
+def current_evaluation_call() -> int:
+    """Which call of its ``(stage, epoch, step)`` the :func:`evaluation_streams` block under way is (0 outside one).
+
+    Examples:
+        >>> with evaluation_streams("predict", epoch=0, step=0, base_seed=0, call=2):
+        ...     current_evaluation_call()
+        2
+    """
+    return _PASS_CALL[-1] if _PASS_CALL else 0
+
+
 def training_rng_state() -> dict[str, Any]:
     """Every RNG state of training: the saved one inside :func:`evaluation_streams`, else the current one.
 
@@ -202,6 +216,8 @@ class EvaluationIsolation:
     Args:
         seeds: an object whose ``base_seed`` attribute holds the run's base seed once the ranks are set up (the
             strategy's seeding steps; picklable, as spawn launchers need).
+        around: a context manager factory every evaluation pass runs inside, after its streams are set (the
+            strategies' ``batch_invariant=True`` gives :func:`~lightning_determinism.batch_invariant`); picklable.
 
     :meth:`attach` wraps the ``run`` method of the loops on the Trainer instance (nothing of Lightning's classes is
     changed), :meth:`detach` takes the wrappers off again. ``load_from_checkpoint`` is wrapped on the
@@ -214,8 +230,9 @@ class EvaluationIsolation:
         False
     """
 
-    def __init__(self, seeds: Any) -> None:
+    def __init__(self, seeds: Any, around: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self._seeds = seeds
+        self._around = around
         self._loops: list[Any] = []
 
     @property
@@ -265,7 +282,8 @@ class EvaluationIsolation:
                 call = _CALLS.get((*key, base, rank), 0)
                 _CALLS[(*key, base, rank)] = call + 1
             with evaluation_streams(*key, base_seed=base, rank=rank, call=call):
-                return run(*args, **kwargs)
+                with self._around() if self._around is not None else nullcontext():
+                    return run(*args, **kwargs)
 
         return isolated_run
 

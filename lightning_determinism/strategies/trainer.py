@@ -39,6 +39,7 @@ from lightning_determinism.checkpoints.io import AtomicCheckpointIOMixin
 from lightning_determinism.data.positions import next_train_epoch
 from lightning_determinism.data.resumable import make_fork_safe, make_resumable
 from lightning_determinism.data.samplers import PaddingWarningFilter, UnevenEvalGuard, trainer_of, unpad_eval_dataloader
+from lightning_determinism.invariance.batch_invariant import batch_invariant as batch_invariant_mode
 from lightning_determinism.invariance.invariant import InvariantTraining, describe, keep_local_gradients
 from lightning_determinism.invariance.tree import PairwiseAllReduce
 from lightning_determinism.parallel.fsdp2_versions import average_over_gloo, refuse_uneven_strided_shards
@@ -83,6 +84,9 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
             world-size-invariant training (the same bits on 1, 2, 4, ... processes; see docs/invariance.md).
         micro_batch_size: ``m``, samples per forward/backward pass: the training loader's ``batch_size``.
         invariant_threads: intra-op threads per process in the invariant mode (pinned; default 1).
+        batch_invariant: run every evaluation pass (validation, sanity check, test, predict) under
+            :func:`~lightning_determinism.batch_invariant`: a sample's outputs, and so the exact metrics, get the same
+            bits whatever its batch, the eval batch size and the number of processes (docs/batch-invariance.md).
         log_record: log the determinism record (seeds, backends, versions, the model's fingerprints) through the
             trainer's loggers with a :class:`~lightning_determinism.DeterminismRecord` (added unless the trainer has
             one); ``False`` logs none of it (docs/record.md).
@@ -112,21 +116,27 @@ class DeterministicStrategyMixin(AtomicCheckpointIOMixin, SeedingProperties):
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         invariant_threads: int = 1,
+        batch_invariant: bool = False,
         log_record: bool = True,
         **kwargs: Any,
     ) -> None:
         require(TRAINER)
         check_keywords(type(self), DeterministicStrategyMixin, kwargs)
-        if not isinstance(log_record, bool):
-            raise TypeError(f"`log_record` must be a bool, got {log_record!r}")
+        for name, flag in (("batch_invariant", batch_invariant), ("log_record", log_record)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be a bool, got {flag!r}")
         self.log_record = log_record
+        self.batch_invariant = batch_invariant
         self._ldet_steps = SeedingSteps(seed, debug_mode, topology)
         self.invariant: InvariantTraining | None = invariant_training(
             global_batch_size, micro_batch_size, invariant_threads, self._ldet_steps, debug_mode, topology
         )
         self._ldet_eval_guard = UnevenEvalGuard()
         self._ldet_padding_warning = PaddingWarningFilter()  # false under this strategy: evaluation is unpadded
-        self._ldet_isolation = EvaluationIsolation(self._ldet_steps)  # evaluation never moves training's streams
+        # Evaluation never moves training's streams; with batch_invariant, a sample's bits never depend on its batch.
+        self._ldet_isolation = EvaluationIsolation(
+            self._ldet_steps, around=batch_invariant_mode if batch_invariant else None
+        )
         self._ldet_restore_clipping: Callable[[], None] | None = None  # not a lambda: spawn pickles the strategy
         resolve_ckpt_path_once()  # ckpt_path="last" resolved by rank 0, the same checkpoint on every rank
         super().__init__(*args, **kwargs)
