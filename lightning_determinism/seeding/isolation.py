@@ -44,7 +44,7 @@ from lightning_determinism.seeding.seeds import _rank_and_world_size, current_se
 
 _SAVED: list[dict[str, Any]] = []  # the training states, outermost first, while evaluation streams are active
 _PASS: list[tuple[str, int, int]] = []  # (stage, epoch, step) of the evaluation pass under way
-_PASS_CALL: list[int] = []  # which call of its (stage, epoch, step) the pass under way is
+_PASS_KEYS: list[tuple[int, int]] = []  # (base seed, call) of the pass under way: call k of its (stage, epoch, step)
 _LOAD_PATCH: dict[str, Any] = {"count": 0, "original": None}  # LightningModule.load_from_checkpoint while wrapped
 _CALLS: dict[tuple[Any, ...], int] = {}  # the standalone passes (validate, test, predict) of this process, by key
 
@@ -117,13 +117,13 @@ def evaluation_streams(
     seed = evaluation_seed(base_seed, stage, epoch, step, rank, call)
     _SAVED.append(_save())
     _PASS.append((stage, int(epoch), int(step)))
-    _PASS_CALL.append(int(call))
+    _PASS_KEYS.append((int(base_seed), int(call)))
     try:
         _seed(seed)
         yield seed
     finally:
         _PASS.pop()
-        _PASS_CALL.pop()
+        _PASS_KEYS.pop()
         _restore(_SAVED.pop())
 
 
@@ -174,15 +174,16 @@ def current_evaluation_pass() -> tuple[str, int, int] | None:
     return _PASS[-1] if _PASS else None
 
 
-def current_evaluation_call() -> int:
-    """Which call of its ``(stage, epoch, step)`` the :func:`evaluation_streams` block under way is (0 outside one).
+def current_evaluation_keys() -> tuple[int, int] | None:
+    """``(base_seed, call)`` of the :func:`evaluation_streams` block under way (``call``: which pass of its stage,
+    epoch and step in the process), or ``None`` outside one.
 
     Examples:
-        >>> with evaluation_streams("predict", epoch=0, step=0, base_seed=0, call=2):
-        ...     current_evaluation_call()
-        2
+        >>> with evaluation_streams("predict", epoch=0, step=0, base_seed=5, call=2):
+        ...     current_evaluation_keys()
+        (5, 2)
     """
-    return _PASS_CALL[-1] if _PASS_CALL else 0
+    return _PASS_KEYS[-1] if _PASS_KEYS else None
 
 
 def training_rng_state() -> dict[str, Any]:

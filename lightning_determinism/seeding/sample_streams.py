@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_determinism.seeding.isolation import current_evaluation_call, current_evaluation_pass
+from lightning_determinism.seeding.isolation import current_evaluation_keys, current_evaluation_pass
 from lightning_determinism.seeding.seeds import current_seeds, derive_seed
 
 
@@ -168,7 +168,8 @@ def sample_streams(
 
     Args:
         indices: the batch's dataset indices, in batch order (a 1-d integer tensor or a sequence of ints).
-        base_seed: the run's base seed; default: the one the package seeded this process with.
+        base_seed: the run's base seed; default: the evaluation pass's (a deterministic strategy's loops), else the
+            one the package seeded this process with.
         stage: the pass's stage; default: the evaluation pass under way (a deterministic strategy's loops), else
             ``"evaluation"``.
         epoch: the pass's epoch; default as ``stage`` (else 0).
@@ -193,8 +194,9 @@ def sample_streams(
         True
     """
     seeds = _indices(indices)
+    pass_keys = current_evaluation_keys() or (None, 0)
     if base_seed is None:
-        base_seed = current_seeds()["base_seed"]
+        base_seed = pass_keys[0] if pass_keys[0] is not None else current_seeds()["base_seed"]
         if base_seed is None:
             raise RuntimeError(
                 "sample_streams() needs the run's base seed: pass `base_seed`, or seed the process with set_seed() or"
@@ -205,7 +207,7 @@ def sample_streams(
         under_way[0] if stage is None else stage,
         under_way[1] if epoch is None else int(epoch),
         under_way[2] if step is None else int(step),
-        current_evaluation_call(),
+        pass_keys[1],
     )
     streams = SampleStreams([sample_seed(base_seed, index, *keys) for index in seeds])
     with _DropoutRouting(streams):
