@@ -175,8 +175,9 @@ def current_evaluation_pass() -> tuple[str, int, int] | None:
 
 
 def current_evaluation_keys() -> tuple[int, int] | None:
-    """``(base_seed, call)`` of the :func:`evaluation_streams` block under way (``call``: which pass of its stage,
-    epoch and step in the process), or ``None`` outside one.
+    """``(base_seed, call)`` of the :func:`evaluation_streams` block under way, or ``None`` outside one.
+
+    ``call`` is which pass of its stage, epoch and step in the process this is (0 for the first).
 
     Examples:
         >>> with evaluation_streams("predict", epoch=0, step=0, base_seed=5, call=2):
