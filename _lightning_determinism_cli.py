@@ -80,13 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         " differs",
         description="Each run against the first (the reference): its first step and quantity beyond tolerance, or"
         " 'within tolerance'; then its peak memory and communication time. Given loggers' output directories (CSV,"
-        " TensorBoard), the runs' determinism records: seeds, versions, flags, fingerprints, and what differs.",
+        " TensorBoard), the runs' determinism records: seeds, versions, flags, fingerprints, and what differs; where"
+        " both directories hold per-sample records of an evaluation (SampleRecord), which samples differ and why.",
     )
     compare.add_argument(
         "files",
         nargs="+",
         metavar="FILE",
-        help="baselines (JSON) or loggers' output directories; the first is the reference",
+        help="baselines (JSON), loggers' output directories or per-sample records; the first is the reference",
     )
     compare.add_argument("--plot", metavar="OUT.png", help="draw the loss curves and the per-step divergence")
     compare.add_argument("--json", action="store_true", help="print the table as one JSON object")
@@ -105,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Name the first step, micro-batch, module and phase whose output differs while its inputs"
         " matched, and the cause: data, randomness, kernel, reduction or optimizer.",
     )
-    diagnose.add_argument("a", help="run A's probe file (JSON written by DivergenceProbe)")
+    diagnose.add_argument(
+        "a",
+        help="run A's probe file (JSON written by DivergenceProbe), or its per-sample record"
+        " (determinism_samples_<stage>.json, written by SampleRecord)",
+    )
     diagnose.add_argument("b", help="run B's probe file")
     diagnose.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser

@@ -13,6 +13,7 @@ from lightning_determinism.callbacks import (
     PreemptionCheckpoint,
     ReplicaGuard,
     RNGStateCheckpoint,
+    SampleRecord,
     WorkerSeedCallback,
 )
 from lightning_determinism.checkpoints.file import DamagedCheckpointError
@@ -104,6 +105,7 @@ __all__ = [
     "RNGStateCheckpoint",
     "RNGStatesTracker",
     "ReplicaGuard",
+    "SampleRecord",
     "SampleStreams",
     "Topology",
     "UnpaddedDistributedSampler",

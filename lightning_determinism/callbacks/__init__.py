@@ -1,10 +1,11 @@
-"""Lightning callbacks: worker seeding, RNG state in checkpoints, preemption, replica checks, baselines, the record."""
+"""Lightning callbacks: seeding, RNG state in checkpoints, preemption, replicas, baselines, the records."""
 
 from lightning_determinism.callbacks.baseline import NumericalBaseline
 from lightning_determinism.callbacks.determinism_record import DeterminismRecord
 from lightning_determinism.callbacks.preemption import PreemptionCheckpoint
 from lightning_determinism.callbacks.replica_guard import ReplicaGuard
 from lightning_determinism.callbacks.rng_checkpoint import RNGStateCheckpoint
+from lightning_determinism.callbacks.sample_record import SampleRecord
 from lightning_determinism.callbacks.worker_seed import WorkerSeedCallback
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "PreemptionCheckpoint",
     "RNGStateCheckpoint",
     "ReplicaGuard",
+    "SampleRecord",
     "WorkerSeedCallback",
 ]

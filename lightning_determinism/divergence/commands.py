@@ -28,6 +28,13 @@ from lightning_determinism.divergence.compare_text import print_runs, print_step
 from lightning_determinism.divergence.logger_record import RecordError
 from lightning_determinism.divergence.record_compare import compare_records, is_record_path, report_record
 from lightning_determinism.divergence.run_record import CHECKPOINT_KEY as FINGERPRINT_KEY
+from lightning_determinism.divergence.sample_record import (
+    SampleRecordError,
+    compare_samples,
+    format_samples,
+    is_sample_record,
+    load_samples,
+)
 
 PROG = "lightning-determinism"
 """The command's name in its error lines (``_lightning_determinism_cli.PROG``, written out: a test keeps them equal)."""
@@ -250,7 +257,22 @@ def _compare_records(args: argparse.Namespace) -> int:
     return compare_records(args.files, args.json)
 
 
+def _compare_sample_files(paths: list[str], as_json: bool) -> int:
+    """``compare`` on per-sample records (SampleRecord's files): the samples of each file against the first's."""
+    reference = load_samples(paths[0])
+    results = {path: compare_samples(reference, load_samples(path)) for path in paths[1:]}
+    if as_json:
+        print(json.dumps({"reference": paths[0], "runs": results}, indent=2))
+    else:
+        for path, result in results.items():
+            print(f"{paths[0]} vs {path}:")
+            print("\n".join(format_samples(result, reference.get("stage", "?"))))
+    return 1 if any(result["differing"] for result in results.values()) else 0
+
+
 def _compare(args: argparse.Namespace) -> int:
+    if all(is_sample_record(path) for path in args.files):
+        return _compare_sample_files(args.files, args.json)
     if any(is_record_path(path) for path in args.files):
         return _compare_records(args)
     if args.plot:
@@ -339,6 +361,8 @@ def run_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any
 def _diagnose(args: argparse.Namespace) -> int:
     from lightning_determinism.divergence.diagnosis.diagnose import diagnose, format_diagnosis
 
+    if is_sample_record(args.a) or is_sample_record(args.b):  # two evaluations, sample by sample
+        return _compare_sample_files([args.a, args.b], args.json)
     result = diagnose(args.a, args.b)
     print(json.dumps(result, indent=2) if args.json else format_diagnosis(result))
     return 0 if result["verdict"] == "same" else 1
@@ -355,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
     command = {"report": _report, "compare": _compare, "diagnose": _diagnose}[args.command]
     try:
         return int(command(args))
-    except (_BadInput, BaselineFileError, ProbeFileError, RecordError) as err:
+    except (_BadInput, BaselineFileError, ProbeFileError, RecordError, SampleRecordError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

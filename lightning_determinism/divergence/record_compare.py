@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_determinism.divergence.logger_record import read_record
 from lightning_determinism.divergence.run_record import PREFIX, differ_in, differences, fingerprints
+from lightning_determinism.divergence.sample_record import compare_samples, format_samples, load_samples, records_in
 
 _RECORD_SUFFIXES = (".yaml", ".yml")
 
@@ -54,17 +55,21 @@ def compare_records(paths: list[str], as_json: bool = False) -> int:
     read = [read_record(path) for path in paths]
     (reference, ref_where), others = read[0], read[1:]
     runs: list[dict[str, Any]] = []
+    ref_samples = records_in(ref_where)
     for path, (record, where) in zip(paths[1:], others, strict=True):
         diff = differences(reference, record)
         runs.append({"path": path, "read_from": str(where), "differ_in": differ_in(list(diff)),
-                     "differences": {key: list(pair) for key, pair in diff.items()}})  # fmt: skip
+                     "differences": {key: list(pair) for key, pair in diff.items()},
+                     "samples": _sample_comparisons(ref_samples, records_in(where))})  # fmt: skip
     if as_json:
         print(json.dumps({"reference": paths[0], "read_from": str(ref_where), "runs": runs}, indent=2))
-        return 1 if any(run["differences"] for run in runs) else 0
+        return 1 if any(_differs(run) for run in runs) else 0
     print(f"reference: {paths[0]} ({len(reference)} entries, read from {ref_where})")
     for run in runs:
         entries: dict[str, list[Any]] = run["differences"]
         print(f"\n{run['path']} ({run['read_from']}):")
+        for stage, result in run["samples"].items():
+            print("\n".join(format_samples(result, stage)))
         if not entries:
             taken = ", ".join(fingerprints(reference)) or "none recorded"
             print(f"  the records agree: {len(reference)} entries (fingerprints at: {taken})")
@@ -76,10 +81,22 @@ def compare_records(paths: list[str], as_json: bool = False) -> int:
         names = ", ".join(run["differ_in"])
         print(f"these two runs differ in: {names}" if len(paths) == 2 else f"  differs from the reference in: {names}")
     if len(paths) > 2:
-        differing = sum(1 for run in runs if run["differences"])
+        differing = sum(1 for run in runs if _differs(run))
         print(f"\n{differing} of {len(runs)} runs differ from {paths[0]}" if differing else
               f"\nall {len(runs)} runs agree with {paths[0]}")  # fmt: skip
-    return 1 if any(run["differences"] for run in runs) else 0
+    return 1 if any(_differs(run) for run in runs) else 0
+
+
+def _sample_comparisons(reference: dict[str, Path], other: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """The per-sample records (SampleRecord) both runs hold, compared stage by stage."""
+    return {
+        stage: compare_samples(load_samples(reference[stage]), load_samples(other[stage]))
+        for stage in sorted(set(reference) & set(other))
+    }
+
+
+def _differs(run: dict[str, Any]) -> bool:
+    return bool(run["differences"]) or any(result["differing"] for result in run["samples"].values())
 
 
 def report_record(path: str, as_json: bool = False) -> int:

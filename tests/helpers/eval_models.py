@@ -135,8 +135,11 @@ class EvalBench(L.LightningModule):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             return self.nets[net](ids).float()
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+    def validation_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, torch.Tensor]:
         labels = batch["labels"]
+        sums = []
         for kind in KINDS:
             logits = self.logits(kind, batch["ids"])
             per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
@@ -146,6 +149,10 @@ class EvalBench(L.LightningModule):
             for row, index in enumerate(batch["index"].tolist()):
                 kept = per_token[row][labels[row] != -100]
                 self.samples.setdefault(f"{kind}/{dataloader_idx}", {})[index] = kept.numpy().tobytes().hex()
+            # Each sample's own tokens summed: a sum over the padded row would depend on the padding's length.
+            sums.append(torch.stack([row[keep].sum() for row, keep in zip(per_token, labels != -100, strict=True)]))
+        # For SampleRecord: each sample's summed loss under the bf16 transformer (one number), the rest as a digest.
+        return {"sample_value": sums[-1], "sample_all": torch.stack(sums, dim=1)}
 
     def on_validation_epoch_end(self) -> None:
         results: dict[str, Any] = {}

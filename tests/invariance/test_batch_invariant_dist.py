@@ -7,8 +7,10 @@ reference."""
 import json
 
 import pytest
+from lightning.pytorch.loggers import CSVLogger
 
-from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy
+import _lightning_determinism_cli as entry
+from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, SampleRecord
 from lightning_determinism.seeding import isolation
 from tests.helpers.eval_models import BATCH_SIZES, KINDS, EvalBench, loaders, relative
 from tests.helpers.lightning_models import quiet_trainer
@@ -28,16 +30,25 @@ def _run(out, stage, world_size, batch_invariant=True):
     out.mkdir(parents=True, exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:  # the first predict call of the process on every layout
         patch.setattr(isolation, "_CALLS", {})
-        trainer = quiet_trainer(_strategy(world_size, batch_invariant), devices=world_size)
+        logger = CSVLogger(out / f"{stage}-{world_size}", name="csv", version=0)  # the record, and SampleRecord's file
+        trainer = quiet_trainer(
+            _strategy(world_size, batch_invariant), devices=world_size, logger=logger,
+            callbacks=[SampleRecord()] if stage == "validate" else [],
+        )  # fmt: skip
         run = trainer.validate if stage == "validate" else trainer.predict
         run(EvalBench(str(out)), loaders(stage), **({"verbose": False} if stage == "validate" else {}))
     return json.loads((out / f"{stage}-{world_size}.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch-invariant")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("batch-invariant")
+
+
+@pytest.fixture(scope="module")
+def runs(root):
     found = {("validate", "stock"): _run(root / "stock", "validate", 1, batch_invariant=False)}
+    _run(root / "stock", "validate", 2, batch_invariant=False)  # for compare: the stock layouts disagree
     for world_size in WORLD_SIZES:
         found["validate", world_size] = _run(root / "on", "validate", world_size)
     for world_size in (1, 2):
@@ -88,3 +99,28 @@ def test_sampled_continuations_are_the_same_on_every_layout(runs, kind):
     stock = [runs["predict", w][f"{kind}/stock/{size}"] for w in (1, 2) for size in (1, 4)]
     same_everywhere = sum(all(layout[i] == stock[0][i] for layout in stock) for i in stock[0])
     assert same_everywhere < 12
+
+
+def _logs(root, mode, world_size):
+    return str(root / mode / f"validate-{world_size}" / "csv" / "version_0")
+
+
+def test_compare_names_the_batch_composition_as_the_cause(runs, root, capsys):
+    assert entry.main(["compare", _logs(root, "stock", 1), _logs(root, "stock", 2)]) == 1
+    out = capsys.readouterr().out
+    assert "per-sample record (validate): 111 samples in both" in out  # 37 samples x 3 eval loaders
+    assert "cause: batch composition: every differing sample was evaluated in another batch" in out
+    assert "batch_invariant=True" in out
+    assert "world size" in out  # the records say it too
+    # The stock evaluation against the mode's: the mode itself is named (its tiles give other last bits).
+    assert entry.main(["compare", _logs(root, "stock", 1), _logs(root, "on", 1)]) == 1
+    assert "cause: batch-invariant evaluation in one run only" in capsys.readouterr().out
+
+
+def test_compare_of_two_batch_invariant_layouts_finds_every_sample_equal(runs, root, capsys):
+    assert entry.main(["compare", _logs(root, "on", 2), _logs(root, "on", 3)]) == 1  # the world sizes differ
+    out = capsys.readouterr().out
+    assert "111 samples in both\n  every sample's result is the same bits" in out
+    files = [f"{_logs(root, 'on', w)}/determinism_samples_validate.json" for w in (1, 3)]
+    assert entry.main(["diagnose", *files]) == 0
+    assert "every sample's result is the same bits" in capsys.readouterr().out

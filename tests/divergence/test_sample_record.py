@@ -1,0 +1,106 @@
+"""The per-sample record: what compare_samples concludes from two, the file checks, SampleRecord's own checks."""
+
+import json
+
+import pytest
+import torch
+
+import _lightning_determinism_cli as entry
+from lightning_determinism import SampleRecord
+from lightning_determinism.callbacks.sample_record import encode_result
+from lightning_determinism.divergence.sample_record import (
+    FORMAT,
+    KIND,
+    SampleRecordError,
+    compare_samples,
+    load_samples,
+)
+
+
+def _record(batches, results, invariant=False, world_size=1):
+    """A record of samples 0..n-1 of loader 0: ``batches`` as (rank, [indices]), ``results`` by index."""
+    number = {i: k for k, (_, indices) in enumerate(batches) for i in indices}
+    return {
+        "kind": KIND, "format": FORMAT, "stage": "validate", "epoch": 0, "step": 0, "world_size": world_size,
+        "batch_invariant": invariant,
+        "batches": [[rank, 0, k, indices] for k, (rank, indices) in enumerate(batches)],
+        "samples": {f"0/{i}": [results[i], number[i]] for i in sorted(number)},
+    }  # fmt: skip
+
+
+ONE_BATCH = [(0, [0, 1, 2, 3])]
+TWO_RANKS = [(0, [0, 1]), (1, [2, 3])]
+
+
+def test_samples_that_moved_to_other_batches_with_the_mode_off_name_the_batch_composition():
+    a = _record(ONE_BATCH, ["x0", "x1", "x2", "x3"])
+    b = _record(TWO_RANKS, ["x0", "y1", "x2", "y3"], world_size=2)
+    result = compare_samples(a, b)
+    assert result["differing"] == ["0/1", "0/3"]
+    assert result["cause"] == "batch composition"
+    assert result["examples"][1]["batch_b"] == {"rank": 1, "dataloader": 0, "batch": 1, "indices": [2, 3]}
+
+
+def test_a_sample_that_differs_in_the_same_batch_is_not_the_batch_composition():
+    same = [(0, [0, 1]), (0, [2, 3])]
+    result = compare_samples(_record(same, ["x0", "x1", "x2", "x3"]), _record(same, ["x0", "x1", "x2", "y3"]))
+    assert result["differing"] == ["0/3"]
+    assert result["cause"] == "not the batch composition"
+    assert "1 differing sample(s) were evaluated in the same batch" in result["explanation"]
+
+
+def test_with_the_mode_on_in_both_runs_the_batch_composition_is_ruled_out():
+    a = _record(ONE_BATCH, ["x0", "x1", "x2", "x3"], invariant=True)
+    b = _record(TWO_RANKS, ["x0", "x1", "x2", "y3"], invariant=True, world_size=2)
+    result = compare_samples(a, b)
+    assert result["cause"] == "not the batch composition"
+    assert "on in both runs" in result["explanation"]
+    c = _record(TWO_RANKS, ["y0", "y1", "y2", "y3"], invariant=False, world_size=2)
+    assert compare_samples(a, c)["cause"] == "batch-invariant evaluation in one run only"
+
+
+def test_equal_records_and_missing_samples():
+    a = _record(ONE_BATCH, ["x0", "x1", "x2", "x3"])
+    b = _record([(0, [0, 1, 2])], ["x0", "x1", "x2"])
+    result = compare_samples(a, b)
+    assert (result["differing"], result["cause"], result["only_in_a"]) == ([], None, ["0/3"])
+
+
+def test_the_command_line_diagnoses_two_files(tmp_path, capsys):
+    a, b = tmp_path / "determinism_samples_validate.json", tmp_path / "b" / "determinism_samples_validate.json"
+    b.parent.mkdir()
+    a.write_text(json.dumps(_record(ONE_BATCH, ["x0", "x1", "x2", "x3"])))
+    b.write_text(json.dumps(_record(TWO_RANKS, ["x0", "y1", "x2", "x3"], world_size=2)))
+    assert entry.main(["diagnose", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 4 samples differ" in out
+    assert "0/1: x1 vs y1" in out
+    assert "A: batch of 4 on rank 0 (position 1, batch 0); B: batch of 2 on rank 0 (position 1, batch 0)" in out
+    assert "cause: batch composition" in out
+    assert entry.main(["compare", str(a), str(b), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["runs"][str(b)]["differing"] == ["0/1"]
+    b.write_text(json.dumps({**json.loads(b.read_text()), "format": 99}))
+    assert entry.main(["diagnose", str(a), str(b)]) == 2
+    assert "a per-sample record of format 99, this version reads 1" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_record_is_refused(tmp_path):
+    path = tmp_path / "determinism_samples_test.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(SampleRecordError, match="not a per-sample record"):
+        load_samples(path)
+    path.write_text("{")
+    with pytest.raises(SampleRecordError, match="not JSON"):
+        load_samples(path)
+
+
+def test_results_keep_every_bit():
+    value = torch.tensor(1.0, dtype=torch.bfloat16) + torch.tensor(2**-7, dtype=torch.bfloat16)
+    assert float.fromhex(encode_result(value)) == value.item()
+    assert encode_result(torch.tensor([1.0, 2.0])) != encode_result(torch.tensor([1.0, 2.0000002]))
+    assert encode_result(torch.zeros(0)).startswith("torch.float32 (0,)")
+
+
+def test_sample_record_refuses_bad_keys():
+    with pytest.raises(TypeError, match=r"`value_key` must be a str, got int 3"):
+        SampleRecord(value_key=3)
