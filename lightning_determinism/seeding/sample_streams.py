@@ -163,6 +163,7 @@ def sample_streams(
     stage: str | None = None,
     epoch: int | None = None,
     step: int | None = None,
+    call: int | None = None,
 ) -> Iterator[SampleStreams]:
     """Give each sample of a batch its own random stream, keyed by its dataset index, for the length of a block.
 
@@ -174,6 +175,9 @@ def sample_streams(
             ``"evaluation"``.
         epoch: the pass's epoch; default as ``stage`` (else 0).
         step: the pass's step; default as ``stage`` (else 0).
+        call: which call of the pass's stage, epoch and step in the process; default: the pass's (the ``k``-th
+            ``trainer.predict`` at one step draws its own numbers, as Monte-Carlo sampling wants). ``call=0`` gives
+            every call the first call's numbers: a prompt gets one continuation however often it is predicted.
 
     Yields:
         The batch's :class:`SampleStreams`.
@@ -207,7 +211,7 @@ def sample_streams(
         under_way[0] if stage is None else stage,
         under_way[1] if epoch is None else int(epoch),
         under_way[2] if step is None else int(step),
-        pass_keys[1],
+        pass_keys[1] if call is None else int(call),
     )
     streams = SampleStreams([sample_seed(base_seed, index, *keys) for index in seeds])
     with _DropoutRouting(streams):

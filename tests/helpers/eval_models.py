@@ -21,50 +21,29 @@ from lightning_determinism import DistributedMean, DistributedPerplexity, sample
 
 VOCAB = 29
 MAX_LENGTH = 40
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example(name: str) -> Any:
+    """A module of examples/ (imported once, under its own name; tiny_lm first, which the others import)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def tiny_lm_class() -> type:
-    """examples/tiny_lm.py's TinyLM (the module imported once, under its own name)."""
-    if "tiny_lm" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tiny_lm", EXAMPLE)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["tiny_lm"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tiny_lm"].TinyLM
+    """examples/tiny_lm.py's TinyLM."""
+    return example("tiny_lm").TinyLM
 
 
-class CausalBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.out(attended)
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyTransformer(nn.Module):
-    """Token and position embeddings, two pre-norm causal blocks (SDPA), a final norm and a linear head."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = 64, heads: int = 4, layers: int = 2) -> None:
-        super().__init__()
-        self.embed, self.position = nn.Embedding(vocab, dim), nn.Embedding(MAX_LENGTH, dim)
-        self.blocks = nn.ModuleList(CausalBlock(dim, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids) + self.position(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+def TinyTransformer() -> nn.Module:  # noqa: N802 (a model, as the tests name it)
+    """examples/batch_invariant_eval.py's causal transformer, for sequences up to MAX_LENGTH."""
+    example("tiny_lm")
+    return example("batch_invariant_eval").CausalTransformer(VOCAB, max_length=MAX_LENGTH)
 
 
 class Sequences(Dataset):

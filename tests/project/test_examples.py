@@ -191,3 +191,14 @@ def test_streaming_example_resumes_a_litdata_epoch_bitwise():
     fingerprints = re.findall(r"\b[0-9a-f]{64}\b", out)
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1], out
     assert "checkpoint at step 9 of 16, resumed" in out and "bitwise identical" in out
+
+
+def test_batch_invariant_example_gives_one_perplexity_and_one_continuation_per_prompt(capsys):
+    from tests.helpers.eval_models import example
+
+    results = example("batch_invariant_eval").main(["--sentences", "200"])
+    assert len(set(results["invariant"])) == 1  # eval batch 1, 4, 16: the same bits
+    by_one, by_four = results["continuations"]
+    assert sorted(by_one) == list(range(8)) and by_one == by_four
+    out = capsys.readouterr().out
+    assert "batch_invariant=True  val/ppl at eval batch 1, 4, 16:" in out and ": the same bits" in out
