@@ -19,35 +19,36 @@ import math
 
 import torch
 
+_INF = math.inf
 DEFAULT_KEY_BLOCK = 64
 """Keys per block: short evaluation sequences take one block, long ones a loop of few iterations."""
 
 
 def _mask_of(
-    attn_mask: torch.Tensor | None, is_causal: bool, batch: tuple[int, ...], length: int, keys: int, padded: int
+    mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...], keys: int, padded: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(where a key takes no part: bool ``(B, L, S')``, an additive float mask ``(B, L, S')``), padded keys masked."""
-    device = None if attn_mask is None else attn_mask.device
+    """Where a key takes no part (bool ``(B or 1, L, S')``) and the additive float mask (``(B, L, S')``).
+
+    ``shape``: the batch dimensions and ``L``; the padded keys ``S..S'`` take no part.
+    """
+    *batch, length = shape
     blocked: torch.Tensor | None = None
     additive: torch.Tensor | None = None
-    if attn_mask is not None:
-        mask = attn_mask.expand(*batch, length, keys).reshape(-1, length, keys)
+    if mask is not None:
+        mask = mask.expand(*batch, length, keys).reshape(-1, length, keys)
         if mask.dtype == torch.bool:
             blocked = ~mask
         else:
             additive = mask.float()
     if is_causal:  # torch's convention: key j takes part for query i when j <= i
-        rows = torch.arange(length, device=device).unsqueeze(1)
-        causal = torch.arange(keys, device=device).unsqueeze(0) > rows
-        blocked = causal.unsqueeze(0) if blocked is None else blocked | causal
+        causal = torch.ones(length, keys, dtype=torch.bool, device=device).triu(1).unsqueeze(0)
+        blocked = causal if blocked is None else blocked | causal
     if padded > keys:
-        if blocked is not None:
-            blocked = torch.cat((blocked, blocked.new_ones((*blocked.shape[:-1], padded - keys))), dim=-1)
+        if blocked is None:
+            blocked = torch.zeros((1, length, keys), dtype=torch.bool, device=device)
+        blocked = torch.cat((blocked, blocked.new_ones((*blocked.shape[:-1], padded - keys))), dim=-1)
         if additive is not None:
             additive = torch.cat((additive, additive.new_zeros((*additive.shape[:-1], padded - keys))), dim=-1)
-        if blocked is None:
-            blocked = torch.zeros((1, length, padded), dtype=torch.bool, device=device)
-            blocked[..., keys:] = True
     return blocked, additive
 
 
@@ -112,7 +113,7 @@ def invariant_attention(
     if padded > keys:
         k = torch.cat((k, k.new_zeros((k.shape[0], padded - keys, k.shape[2]))), dim=1)
         v = torch.cat((v, v.new_zeros((v.shape[0], padded - keys, width))), dim=1)
-    blocked, additive = _mask_of(attn_mask, is_causal, tuple(batch), length, keys, padded)
+    blocked, additive = _mask_of(attn_mask, is_causal, (*batch, length), keys, padded, q.device)
     n = q.shape[0]
     best = q.new_full((n, length, 1), float("-inf"))
     total = q.new_zeros((n, length, 1))
@@ -122,12 +123,18 @@ def invariant_attention(
         scores = torch.bmm(q, k[:, start:stop].transpose(1, 2))
         if additive is not None:
             scores = scores + additive[..., start:stop]
-        if blocked is not None:
-            scores = scores.masked_fill(blocked[..., start:stop], float("-inf"))
-        new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+        ranked = scores
+        keep = None
+        if blocked is not None:  # masked keys: out of the maximum, weight exactly 0 (no exp of -inf: a slow path)
+            hidden = blocked[..., start:stop]
+            ranked = scores + torch.zeros(hidden.shape, dtype=scores.dtype, device=q.device).masked_fill_(hidden, -_INF)
+            keep = (~hidden).to(scores.dtype)
+        new_best = torch.maximum(best, ranked.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # all masked so far: 0
         decay = torch.exp(best - shift)
-        weights = torch.exp(scores - shift)
+        weights = scores.sub_(shift).clamp_(max=0.0).exp_()  # in place; a masked key's raw score may exceed the max
+        if keep is not None:
+            weights.mul_(keep)
         total = total * decay + weights.sum(dim=-1, keepdim=True)
         out = out * decay + torch.bmm(weights, v[:, start:stop])
         best = new_best

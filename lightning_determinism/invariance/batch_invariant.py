@@ -62,6 +62,62 @@ def _rows(device: torch.device) -> int:
     return int(_ACTIVE[-1]["rows"][device.type if device.type in DEFAULT_ROWS else "cpu"])
 
 
+_LADDER = (64, 16, 4)  # larger tiles, in multiples of `rows`, used where the probe finds them row-for-row equal
+_TILES: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (operation, device, dtypes, K, N, layout, rows, threads) -> sizes
+
+
+def _layout(b: torch.Tensor) -> str:
+    """How the second operand lies: the BLAS packs a transposed one (a weight's ``.t()``) with other routines."""
+    return "t" if b.stride(-2) == 1 and b.shape[-1] > 1 else "n"
+
+
+def _probe_operand(like: torch.Tensor, rows: int, cols: int, gen: torch.Generator, batch: int | None) -> torch.Tensor:
+    shape = (rows, cols) if batch is None else (batch, rows, cols)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=like.device, dtype=like.dtype)
+
+
+def _tile_sizes(batched: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple[int, ...]:
+    """The tile sizes (largest first, ``rows`` last) whose rows have the bits of ``rows``-row tiles for this shape.
+
+    Every product of the mode is computed in tiles of these sizes only; a larger size is used where one product of
+    random operands of this shape, dtype, layout and thread count gives each row exactly what ``rows``-row tiles give
+    (the BLAS's path depends on those, not on the values): so a row's bits never depend on which tile holds it.
+    """
+    k, n = a.shape[-1], b.shape[-1]
+    key = (batched, a.device, a.dtype, b.dtype, k, n, _layout(b), rows, torch.get_num_threads())
+    sizes = _TILES.get(key)
+    if sizes is None:
+        gen = torch.Generator().manual_seed(0)
+        largest = rows * _LADDER[0]
+        entries = 2 if batched else None
+        x = _probe_operand(a, largest, k, gen, entries)
+        y = _probe_operand(b, n, k, gen, entries).transpose(-2, -1)
+        if _layout(b) == "n":
+            y = y.contiguous()
+        product = _BMM_OUT if batched else _MM_OUT
+
+        def run(rows_: slice) -> torch.Tensor:
+            part = x[..., rows_, :]
+            return product(part, y, out=part.new_empty((*part.shape[:-1], n)))
+
+        small = torch.cat([run(slice(i, i + rows)) for i in range(0, largest, rows)], dim=-2)
+        usable = [rows * f for f in _LADDER if torch.equal(run(slice(0, rows * f)), small[..., : rows * f, :])]
+        sizes = _TILES[key] = (*usable, rows)
+    return sizes
+
+
+def _plan(m: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(start, size)`` tiles covering ``m`` rows, largest first; the last one may reach past ``m`` (padded)."""
+    tiles, start = [], 0
+    for size in sizes:
+        while m - start >= size:
+            tiles.append((start, size))
+            start += size
+    if start < m:
+        tiles.append((start, sizes[-1]))
+    return tiles
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     if not a.is_floating_point() or m == 0:
@@ -69,12 +125,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = _rows(a.device)
     a = a.contiguous()  # one layout: a transposed operand takes other packing routines
     out = a.new_empty((m, n))
-    full = m - m % rows
-    for i in range(0, full, rows):
-        _MM_OUT(a[i : i + rows], b, out=out[i : i + rows])
-    if full < m:  # the last rows, padded to a whole tile
-        tail = torch.cat((a[full:], a.new_zeros((rows - (m - full), a.shape[1]))))
-        out[full:] = _MM_OUT(tail, b, out=a.new_empty((rows, n)))[: m - full]
+    if m == rows:
+        return _MM_OUT(a, b, out=out)
+    for start, size in _plan(m, _tile_sizes(False, a, b, rows)):
+        if start + size <= m:
+            _MM_OUT(a[start : start + size], b, out=out[start : start + size])
+        else:  # the last rows, padded with zero rows to a whole tile
+            tail = torch.cat((a[start:], a.new_zeros((start + size - m, a.shape[1]))))
+            out[start:] = _MM_OUT(tail, b, out=a.new_empty((size, n)))[: m - start]
     return out
 
 
@@ -82,18 +140,20 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch, m, n = a.shape[0], a.shape[1], b.shape[2]
     if not a.is_floating_point() or m == 0 or batch == 0:
         return _BMM_OUT(a, b, out=a.new_empty((batch, m, n)))
-    rows = _rows(a.device)
     if batch == 1:  # a batch of one may take the plain GEMM's path: every call has at least two entries
         return _bmm(torch.cat((a, a)), b.expand(2, *b.shape[1:]))[:1]
-    tiles = -(-m // rows)
-    if tiles * rows != m:
-        a = torch.cat((a, a.new_zeros((batch, tiles * rows - m, a.shape[2]))), dim=1)
+    rows = _rows(a.device)
     a = a.contiguous()
-    if tiles == 1:
-        out = _BMM_OUT(a, b, out=a.new_empty((batch, rows, n)))
-        return out if rows == m else out[:, :m].contiguous()
-    parts = [_BMM_OUT(a[:, i : i + rows], b, out=a.new_empty((batch, rows, n))) for i in range(0, tiles * rows, rows)]
-    return torch.cat(parts, dim=1)[:, :m].contiguous()
+    if m == rows:
+        return _BMM_OUT(a, b, out=a.new_empty((batch, m, n)))
+    parts = []
+    for start, size in _plan(m, _tile_sizes(True, a, b, rows)):
+        tile = a[:, start : start + size]
+        if start + size > m:
+            tile = torch.cat((tile, a.new_zeros((batch, start + size - m, a.shape[2]))), dim=1)
+        parts.append(_BMM_OUT(tile, b, out=a.new_empty((batch, size, n))))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out if out.shape[1] == m else out[:, :m].contiguous()
 
 
 def _with_bias(product: torch.Tensor, bias: torch.Tensor, beta: Any, alpha: Any) -> torch.Tensor:
