@@ -24,16 +24,41 @@ DEFAULT_KEY_BLOCK = 64
 """Keys per block: short evaluation sequences take one block, long ones a loop of few iterations."""
 
 
+_MASKS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # causal/padding only
+_SPACE: dict[tuple[object, ...], torch.Tensor] = {}  # scratch buffers by shape: a fresh one costs its page faults
+
+
+def release_buffers() -> None:
+    """Drop the cached masks and scratch buffers (the mode calls it when it turns off)."""
+    _MASKS.clear()
+    _SPACE.clear()
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    key = (tuple(like.shape), like.dtype, like.device)
+    space = _SPACE.get(key)
+    if space is None:
+        if len(_SPACE) > 8:
+            _SPACE.clear()
+        space = _SPACE[key] = torch.empty_like(like)
+    return space
+
+
 def _mask_of(
     mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...], keys: int, padded: int, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Where a key takes no part (bool ``(B or 1, L, S')``) and the additive float mask (``(B, L, S')``).
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The masks of the keys: ``(hide, keep, additive)``.
 
-    ``shape``: the batch dimensions and ``L``; the padded keys ``S..S'`` take no part.
+    ``hide`` is ``-inf`` where a key takes no part (added before the maximum), ``keep`` its ``0``/``1`` weight
+    (multiplied after the exponential), both ``(B or 1, L, S')``; ``additive`` is the user's float mask
+    ``(B, L, S')``. ``shape``: the batch dimensions and ``L``; the padded keys ``S..S'`` take no part.
     """
     *batch, length = shape
     blocked: torch.Tensor | None = None
     additive: torch.Tensor | None = None
+    key = (is_causal, length, keys, padded, device)
+    if mask is None and key in _MASKS:
+        return (*_MASKS[key], None)
     if mask is not None:
         mask = mask.expand(*batch, length, keys).reshape(-1, length, keys)
         if mask.dtype == torch.bool:
@@ -49,7 +74,27 @@ def _mask_of(
         blocked = torch.cat((blocked, blocked.new_ones((*blocked.shape[:-1], padded - keys))), dim=-1)
         if additive is not None:
             additive = torch.cat((additive, additive.new_zeros((*additive.shape[:-1], padded - keys))), dim=-1)
-    return blocked, additive
+    hide = keep = None
+    if blocked is not None:
+        hide = torch.zeros(blocked.shape, device=device).masked_fill_(blocked, -_INF)
+        keep = (~blocked).float()
+    if mask is None:
+        if len(_MASKS) > 64:
+            _MASKS.clear()
+        _MASKS[key] = (hide, keep)
+    return hide, keep, additive
+
+
+def _flat(tensor: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` broadcast to ``batch``, as a new contiguous ``(prod(batch), rows, cols)`` tensor, float32 or wider.
+
+    One copy: a half-precision tensor is widened (exactly) on the way.
+    """
+    rows, cols = tensor.shape[-2:]
+    wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
+    out = torch.empty((*batch, rows, cols), dtype=wide, device=tensor.device)
+    out.copy_(tensor.expand(*batch, rows, cols))
+    return out.view(-1, rows, cols)
 
 
 def invariant_attention(
@@ -97,45 +142,42 @@ def invariant_attention(
     if attn_mask is not None and is_causal:
         raise ValueError("`attn_mask` and `is_causal` cannot both be given (as in F.scaled_dot_product_attention)")
     dtype = query.dtype
-    wide = (torch.float16, torch.bfloat16)
-    q, k, v = (t.float() if t.dtype in wide else t for t in (query, key, value))
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    length, keys, width = q.shape[-2], k.shape[-2], v.shape[-1]
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    q = (q * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)).expand(*batch, *q.shape[-2:])
-    q = q.reshape(-1, length, q.shape[-1])
-    k = k.expand(*batch, *k.shape[-2:]).reshape(-1, keys, k.shape[-1])
-    v = v.expand(*batch, *v.shape[-2:]).reshape(-1, keys, width)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+    length, keys, width = query.shape[-2], key.shape[-2], value.shape[-1]
+    batch = tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]))
+    q = _flat(query, batch).mul_(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+    k, v = _flat(key, batch), _flat(value, batch)
     blocks = max(1, -(-keys // key_block))
     padded = blocks * key_block
     if padded > keys:
         k = torch.cat((k, k.new_zeros((k.shape[0], padded - keys, k.shape[2]))), dim=1)
         v = torch.cat((v, v.new_zeros((v.shape[0], padded - keys, width))), dim=1)
-    blocked, additive = _mask_of(attn_mask, is_causal, (*batch, length), keys, padded, q.device)
-    n = q.shape[0]
-    best = q.new_full((n, length, 1), float("-inf"))
-    total = q.new_zeros((n, length, 1))
-    out = q.new_zeros((n, length, width))
+    hide, keep, additive = _mask_of(attn_mask, is_causal, (*batch, length), keys, padded, q.device)
+    best = total = out = None
     for start in range(0, padded, key_block):
         stop = start + key_block
         scores = torch.bmm(q, k[:, start:stop].transpose(1, 2))
         if additive is not None:
             scores = scores + additive[..., start:stop]
-        ranked = scores
-        keep = None
-        if blocked is not None:  # masked keys: out of the maximum, weight exactly 0 (no exp of -inf: a slow path)
-            hidden = blocked[..., start:stop]
-            ranked = scores + torch.zeros(hidden.shape, dtype=scores.dtype, device=q.device).masked_fill_(hidden, -_INF)
-            keep = (~hidden).to(scores.dtype)
-        new_best = torch.maximum(best, ranked.amax(dim=-1, keepdim=True))
-        shift = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # all masked so far: 0
-        decay = torch.exp(best - shift)
+        # Masked keys: out of the maximum, and a weight of exactly 0 (no exponential of -inf: a slow path).
+        if hide is None:
+            ranked = scores
+        else:
+            ranked = torch.add(scores, hide[..., start:stop], out=_scratch(scores))
+        top = ranked.amax(dim=-1, keepdim=True)
+        new_best = top if best is None else torch.maximum(best, top)
+        shift = torch.where(torch.isinf(new_best), 0.0, new_best)  # every key masked so far: 0
         weights = scores.sub_(shift).clamp_(max=0.0).exp_()  # in place; a masked key's raw score may exceed the max
         if keep is not None:
-            weights.mul_(keep)
-        total = total * decay + weights.sum(dim=-1, keepdim=True)
-        out = out * decay + torch.bmm(weights, v[:, start:stop])
+            weights.mul_(keep[..., start:stop])
+        mass, mixed = weights.sum(dim=-1, keepdim=True), torch.bmm(weights, v[:, start:stop])
+        if best is None or total is None or out is None:  # the first block: nothing to rescale
+            total, out = mass, mixed
+        else:
+            decay = torch.exp(best - shift)
+            total, out = total * decay + mass, out * decay + mixed
         best = new_best
-    return (out / total).reshape(*batch, length, width).to(dtype)
+    assert out is not None and total is not None
+    return out.div_(total).reshape(*batch, length, width).to(dtype)

@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_determinism._compat.checks import require
 from lightning_determinism._compat.features import BATCH_INVARIANT
 from lightning_determinism._compat.operators import destroy_library
-from lightning_determinism.invariance.attention import DEFAULT_KEY_BLOCK, invariant_attention
+from lightning_determinism.invariance.attention import DEFAULT_KEY_BLOCK, invariant_attention, release_buffers
 
 DEFAULT_ROWS = {"cpu": 16, "cuda": 128}
 """Rows per tile by device: 16 is the smallest row count from which MKL's float32 GEMM takes one path on the CPUs
@@ -59,10 +59,12 @@ _BMM_OUT = torch.ops.aten.bmm.out
 
 
 def _rows(device: torch.device) -> int:
-    return int(_ACTIVE[-1]["rows"][device.type if device.type in DEFAULT_ROWS else "cpu"])
+    rows: dict[str, int] = _ACTIVE[-1]["rows"]
+    return rows.get(device.type, rows["cpu"])
 
 
-_LADDER = (64, 16, 4)  # larger tiles, in multiples of `rows`, used where the probe finds them row-for-row equal
+_CANDIDATES = (1024, 256, 64, 32, 16, 8, 4, 2, 1)  # tile sizes tried against the reference tile of `rows` rows
+_PROBE_ROWS = 1024
 _TILES: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (operation, device, dtypes, K, N, layout, rows, threads) -> sizes
 
 
@@ -77,62 +79,72 @@ def _probe_operand(like: torch.Tensor, rows: int, cols: int, gen: torch.Generato
 
 
 def _tile_sizes(batched: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> tuple[int, ...]:
-    """The tile sizes (largest first, ``rows`` last) whose rows have the bits of ``rows``-row tiles for this shape.
+    """The tile sizes (largest first) whose rows get exactly the bits of ``rows``-row tiles, for this shape.
 
-    Every product of the mode is computed in tiles of these sizes only; a larger size is used where one product of
-    random operands of this shape, dtype, layout and thread count gives each row exactly what ``rows``-row tiles give
-    (the BLAS's path depends on those, not on the values): so a row's bits never depend on which tile holds it.
+    ``rows``-row tiles are the reference: every product of the mode is computed in tiles of the sizes returned, and
+    a size is among them only where a product of random operands of this shape, dtype, layout and thread count gives
+    each of its rows exactly what ``rows``-row tiles give (the BLAS picks its path from those, never from the values).
+    Larger tiles save calls; smaller ones save padding (batch 1 pays for one row, not ``rows``).
     """
     k, n = a.shape[-1], b.shape[-1]
-    key = (batched, a.device, a.dtype, b.dtype, k, n, _layout(b), rows, torch.get_num_threads())
+    key = (batched, a.device, a.dtype, b.dtype, k, n, b.stride(-2) == 1, rows, torch.get_num_threads())
     sizes = _TILES.get(key)
     if sizes is None:
         gen = torch.Generator().manual_seed(0)
-        largest = rows * _LADDER[0]
-        entries = 2 if batched else None
-        x = _probe_operand(a, largest, k, gen, entries)
+        entries = 2 if batched else None  # a batched product always has two entries or more (see _bmm)
+        total = max(_PROBE_ROWS, rows)
+        x = _probe_operand(a, total, k, gen, entries)
         y = _probe_operand(b, n, k, gen, entries).transpose(-2, -1)
         if _layout(b) == "n":
             y = y.contiguous()
         product = _BMM_OUT if batched else _MM_OUT
 
-        def run(rows_: slice) -> torch.Tensor:
-            part = x[..., rows_, :]
-            return product(part, y, out=part.new_empty((*part.shape[:-1], n)))
+        def tiled(size: int, count: int) -> torch.Tensor:
+            parts = []
+            for start in range(0, count, size):
+                part = x[..., start : start + size, :]
+                parts.append(product(part, y, out=part.new_empty((*part.shape[:-1], n))))
+            return torch.cat(parts, dim=-2)
 
-        small = torch.cat([run(slice(i, i + rows)) for i in range(0, largest, rows)], dim=-2)
-        usable = [rows * f for f in _LADDER if torch.equal(run(slice(0, rows * f)), small[..., : rows * f, :])]
-        sizes = _TILES[key] = (*usable, rows)
+        reference = tiled(rows, total)
+        usable = [
+            size
+            for size in _CANDIDATES
+            if size == rows or torch.equal(tiled(size, max(size, min(64, total))), reference[..., : max(size, 64), :])
+        ]
+        sizes = _TILES[key] = tuple(usable)
     return sizes
 
 
 def _plan(m: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """``(start, size)`` tiles covering ``m`` rows, largest first; the last one may reach past ``m`` (padded)."""
+    """``(start, size)`` tiles covering ``m`` rows, largest first; the last may reach past ``m`` (zero rows padded)."""
     tiles, start = [], 0
     for size in sizes:
         while m - start >= size:
             tiles.append((start, size))
             start += size
     if start < m:
-        tiles.append((start, sizes[-1]))
+        tiles.append((start, min(size for size in sizes if size >= m - start)))
     return tiles
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     if not a.is_floating_point() or m == 0:
-        return _MM_OUT(a, b, out=a.new_empty((m, n)))
-    rows = _rows(a.device)
-    a = a.contiguous()  # one layout: a transposed operand takes other packing routines
+        return torch.mm(a, b, out=a.new_empty((m, n)))
+    if not a.is_contiguous():
+        a = a.contiguous()  # one layout: a transposed operand takes other packing routines
     out = a.new_empty((m, n))
-    if m == rows:
-        return _MM_OUT(a, b, out=out)
-    for start, size in _plan(m, _tile_sizes(False, a, b, rows)):
+    sizes = _tile_sizes(False, a, b, _rows(a.device))
+    if m in sizes:  # the common case (a batch of 4, 8, 16, ... rows): one call
+        return torch.mm(a, b, out=out)
+    for start, size in _plan(m, sizes):
         if start + size <= m:
-            _MM_OUT(a[start : start + size], b, out=out[start : start + size])
+            torch.mm(a[start : start + size], b, out=out[start : start + size])
         else:  # the last rows, padded with zero rows to a whole tile
-            tail = torch.cat((a[start:], a.new_zeros((start + size - m, a.shape[1]))))
-            out[start:] = _MM_OUT(tail, b, out=a.new_empty((size, n)))[: m - start]
+            tail = a.new_zeros((size, a.shape[1]))
+            tail[: m - start] = a[start:]
+            out[start:] = torch.mm(tail, b, out=a.new_empty((size, n)))[: m - start]
     return out
 
 
@@ -142,17 +154,17 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _BMM_OUT(a, b, out=a.new_empty((batch, m, n)))
     if batch == 1:  # a batch of one may take the plain GEMM's path: every call has at least two entries
         return _bmm(torch.cat((a, a)), b.expand(2, *b.shape[1:]))[:1]
-    rows = _rows(a.device)
     a = a.contiguous()
-    if m == rows:
+    sizes = _tile_sizes(True, a, b, _rows(a.device))
+    if m in sizes:
         return _BMM_OUT(a, b, out=a.new_empty((batch, m, n)))
     parts = []
-    for start, size in _plan(m, _tile_sizes(True, a, b, rows)):
+    for start, size in _plan(m, sizes):
         tile = a[:, start : start + size]
         if start + size > m:
             tile = torch.cat((tile, a.new_zeros((batch, start + size - m, a.shape[2]))), dim=1)
         parts.append(_BMM_OUT(tile, b, out=a.new_empty((batch, size, n))))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    out = torch.cat(parts, dim=1)
     return out if out.shape[1] == m else out[:, :m].contiguous()
 
 
@@ -212,6 +224,7 @@ def _turn_off() -> None:
     library, _STATE["library"] = _STATE["library"], None
     if library is not None:
         destroy_library(library)
+    release_buffers()
 
 
 def _check(name: str, value: int | None, low: int) -> None:
