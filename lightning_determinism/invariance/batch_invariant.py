@@ -176,7 +176,49 @@ def _with_bias(product: torch.Tensor, bias: torch.Tensor, beta: Any, alpha: Any)
     return product.add_(bias) if beta == 1 else product.add_(bias, alpha=beta)
 
 
+_FUSES: dict[tuple[Any, ...], bool] = {}  # (device, dtype, K, N, layout, rows, threads) -> fused bias == added bias
+
+
+def _fuses(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...]) -> bool:
+    """Whether ``addmm`` with a row of bias gives the bits of the product followed by ``add_`` of the bias.
+
+    Probed for this shape and every tile size: true where the BLAS reduces ``K`` in one block and adds the bias last.
+    Where it does, the mode keeps the fused call (one pass fewer); elsewhere it adds the bias after the product.
+    """
+    k, n = a.shape[1], b.shape[1]
+    key = (a.device, a.dtype, k, n, b.stride(0) == 1, sizes, torch.get_num_threads())
+    fuses = _FUSES.get(key)
+    if fuses is None:
+        gen = torch.Generator().manual_seed(1)
+        y = _probe_operand(b, n, k, gen, None).t()
+        if b.stride(0) != 1:
+            y = y.contiguous()
+        bias = _probe_operand(b, 1, n, gen, None)[0]
+        fuses = True
+        for size in sizes:
+            x = _probe_operand(a, size, k, gen, None)
+            fused = torch.addmm(bias, x, y, out=x.new_empty((size, n)))
+            fuses = fuses and torch.equal(fused, torch.mm(x, y, out=x.new_empty((size, n))).add_(bias))
+        _FUSES[key] = fuses
+    return fuses
+
+
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    m, n = a.shape[0], b.shape[1]
+    if beta == 1 and alpha == 1 and bias.dim() == 1 and a.is_floating_point() and m > 0:
+        if not a.is_contiguous():
+            a = a.contiguous()
+        sizes = _tile_sizes(False, a, b, _rows(a.device))
+        if _fuses(a, b, sizes):
+            out = a.new_empty((m, n))
+            for start, size in _plan(m, sizes):
+                if start + size <= m:
+                    torch.addmm(bias, a[start : start + size], b, out=out[start : start + size])
+                else:
+                    tail = a.new_zeros((size, a.shape[1]))
+                    tail[: m - start] = a[start:]
+                    out[start:] = torch.addmm(bias, tail, b, out=a.new_empty((size, n)))[: m - start]
+            return out
     return _with_bias(_mm(a, b), bias, beta, alpha)
 
 
