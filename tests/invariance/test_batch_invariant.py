@@ -30,11 +30,12 @@ def _rows_alone_and_together(op, x, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_linear_layers_rows_do_not_depend_on_the_batch(dtype):
+@pytest.mark.parametrize(("features", "rows"), [(256, None), (64, None), (256, 7)])  # 64: a bias fused by the BLAS
+def test_a_linear_layers_rows_do_not_depend_on_the_batch(dtype, features, rows):
     torch.manual_seed(0)
-    layer = torch.nn.Linear(256, 384).to(dtype)
-    x = torch.randn(19, 256, dtype=dtype)
-    with torch.no_grad(), batch_invariant():
+    layer = torch.nn.Linear(features, 384).to(dtype)
+    x = torch.randn(19, features, dtype=dtype)
+    with torch.no_grad(), batch_invariant(rows=rows):
         assert _rows_alone_and_together(layer, x, dtype) == set()
         # the bias fused into the product (addmm) and added after it (mm, then add_): the two forms of linear
         assert torch.equal(torch.addmm(layer.bias, x, layer.weight.t()), torch.mm(x, layer.weight.t()) + layer.bias)
