@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_determinism._compat.checks import require
 from lightning_determinism._compat.features import BATCH_INVARIANT
 from lightning_determinism._compat.operators import destroy_library
+from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.invariance.attention import DEFAULT_KEY_BLOCK, invariant_attention, release_buffers
 
 DEFAULT_ROWS = {"cpu": 16, "cuda": 128}
@@ -92,28 +93,51 @@ def _tile_sizes(batched: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> t
     if sizes is None:
         gen = torch.Generator().manual_seed(0)
         entries = 2 if batched else None  # a batched product always has two entries or more (see _bmm)
-        total = max(_PROBE_ROWS, rows)
-        x = _probe_operand(a, total, k, gen, entries)
+        product = _BMM_OUT if batched else _MM_OUT
+        candidates = sorted({*_CANDIDATES, rows})
+        x = _probe_operand(a, 2 * max(_PROBE_ROWS, rows) + 1, k, gen, entries)
         y = _probe_operand(b, n, k, gen, entries).transpose(-2, -1)
         if _layout(b) == "n":
             y = y.contiguous()
-        product = _BMM_OUT if batched else _MM_OUT
 
-        def tiled(size: int, count: int) -> torch.Tensor:
+        def tiled(size: int, count: int, first: int = 0) -> torch.Tensor:  # whole tiles of `size` rows
             parts = []
-            for start in range(0, count, size):
+            for start in range(first, first + count, size):
                 part = x[..., start : start + size, :]
                 parts.append(product(part, y, out=part.new_empty((*part.shape[:-1], n))))
             return torch.cat(parts, dim=-2)
 
-        reference = tiled(rows, total)
-        usable = [
-            size
-            for size in _CANDIDATES
-            if size == rows or torch.equal(tiled(size, max(size, min(64, total))), reference[..., : max(size, 64), :])
-        ]
+        # The reference tile: its rows' bits must not depend on their position in it (a BLAS may split 7 rows as
+        # 4 + 3 with two kernels); where `rows` fails that here, the next candidate that passes takes its place.
+        # `rows` first, then larger tiles, then smaller ones: one row alone always passes.
+        order = [size for size in candidates if size >= rows] + [size for size in reversed(candidates) if size < rows]
+        reference_rows = next(
+            size for size in order
+            if size == 1 or torch.equal(tiled(size, 2 * size)[..., 1 : 1 + size, :], tiled(size, size, first=1))
+        )  # fmt: skip
+        if reference_rows != rows:
+            _warn_rows(rows, reference_rows, a)
+        count_ref = reference_rows * -(-_PROBE_ROWS // reference_rows)
+        reference = tiled(reference_rows, count_ref)
+        usable = []
+        for size in reversed(candidates):
+            count = size * max(1, 64 // size)
+            if size == reference_rows or (
+                count <= count_ref and torch.equal(tiled(size, count), reference[..., :count, :])
+            ):
+                usable.append(size)
         sizes = _TILES[key] = tuple(usable)
     return sizes
+
+
+def _warn_rows(rows: int, used: int, a: torch.Tensor) -> None:
+    warnings.warn(
+        f"batch_invariant(rows={rows}): on this {a.device.type} a {rows}-row product's rows depend on their position in"
+        f" it ({a.dtype}, K={a.shape[-1]}): tiles of {used} row(s) are the reference instead"
+        + (" (slower: one product per row)" if used == 1 else ""),
+        DeterminismWarning,
+        stacklevel=3,
+    )
 
 
 def _plan(m: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
