@@ -25,10 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import lightning as L  # noqa: E402
 from batch_invariant_eval import CausalTransformer  # noqa: E402
 from tiny_lm import TinyLM, build_data  # noqa: E402
-
-import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_determinism import (  # noqa: E402

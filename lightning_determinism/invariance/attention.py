@@ -141,7 +141,20 @@ def invariant_attention(
         raise ValueError(f"batch-invariant attention draws no dropout: `dropout_p` must be 0, got {dropout_p}")
     if attn_mask is not None and is_causal:
         raise ValueError("`attn_mask` and `is_causal` cannot both be given (as in F.scaled_dot_product_attention)")
-    dtype = query.dtype
+    with torch.autocast(query.device.type, enabled=False):  # float32 inside: autocast would cast the products back
+        return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, key_block).to(query.dtype)
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    key_block: int,
+) -> torch.Tensor:
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
@@ -180,4 +193,4 @@ def invariant_attention(
             total, out = total * decay + mass, out * decay + mixed
         best = new_best
     assert out is not None and total is not None
-    return out.div_(total).reshape(*batch, length, width).to(dtype)
+    return out.div_(total).reshape(*batch, length, width)

@@ -79,6 +79,23 @@ def test_batched_products_do_not_depend_on_the_batch(dtype):
 
 
 @pytest.mark.filterwarnings("ignore::lightning_determinism.DeterminismWarning")  # float64 may take smaller tiles
+def test_where_the_entry_count_matters_entries_go_two_at_a_time(monkeypatch):
+    # A BLAS whose batched path depends on the number of entries (none here: forced) gets pairs of entries only.
+    from lightning_determinism.invariance import batch_invariant as module
+
+    monkeypatch.setattr(module, "_entries_free", lambda *args: False)
+    calls = []
+    real = module._BMM_OUT
+    monkeypatch.setattr(module, "_BMM_OUT", lambda a, b, out: calls.append(a.shape[0]) or real(a, b, out=out))
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 16, 8), torch.randn(7, 8, 5)
+    with batch_invariant():
+        together = torch.bmm(a, b)
+        assert set(calls) == {2}
+        assert torch.equal(torch.bmm(a[5:], b[5:]), together[5:])
+    assert torch.allclose(together, a @ b, atol=1e-5)
+
+
 def test_the_products_stay_right():
     torch.manual_seed(0)
     a, b, c = torch.randn(37, 50, dtype=torch.float64), torch.randn(50, 9, dtype=torch.float64), torch.randn(9)
