@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA-only check, for the day a GPU is lent (one device is enough; about 2 minutes on an H200):
 #   1. the tests marked `gpu` (tests/helpers.requires_cuda: the CUDA tracker and generators, DTensor's CUDA tracker,
-#      FSDP1 on one device, fingerprints of CUDA tensors, DDP vs FSDP baselines);
+#      FSDP1 on one device, fingerprints of CUDA tensors, DDP vs FSDP baselines, batch-invariant evaluation on CUDA);
 #   2. scripts/gpu_determinism.py: backends, two training runs bitwise under cuDNN/cuBLAS, a CUDA fit resumed
 #      mid-epoch bitwise, NCCL all-reduce and the perplexity synced over NCCL.
 # Exits non-zero when any of them failed. Without CUDA the tests skip and the script says there is nothing to check.

@@ -15,6 +15,7 @@ from lightning_determinism import (
     batch_invariant_enabled,
     invariant_attention,
 )
+from tests.helpers import requires_cuda
 from tests.helpers.eval_models import TinyTransformer, tiny_lm_class
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -213,6 +214,24 @@ def test_a_samples_logits_do_not_depend_on_its_batch_or_its_padding(net, dtype):
                 for i, row in enumerate(rows):
                     n = int(lengths[row])
                     assert torch.equal(part[i, :n], together[row, :n]), (size, row)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_on_cuda_a_samples_logits_do_not_depend_on_its_batch(dtype):
+    # cuBLAS picks its kernel (and split-K) by shape: the 128-row tiles give each row one kernel.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 4096).cuda()
+    model = TinyTransformer().cuda().eval()
+    x, ids = torch.randn(300, 1024, device="cuda"), torch.randint(29, (12, 40), device="cuda")
+    with torch.inference_mode(), torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with batch_invariant():
+            assert _rows_alone_and_together(layer, x[:40], dtype) == set()
+            together = model(ids).float()
+            for size in (1, 5):
+                for start in range(0, 12, size):
+                    part = model(ids[start : start + size]).float()
+                    assert torch.equal(part, together[start : start + size]), (size, start)
 
 
 def test_the_strategy_argument_is_a_bool():
