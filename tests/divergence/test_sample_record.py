@@ -2,6 +2,7 @@
 
 import json
 
+import lightning as L
 import pytest
 import torch
 
@@ -104,3 +105,49 @@ def test_results_keep_every_bit():
 def test_sample_record_refuses_bad_keys():
     with pytest.raises(TypeError, match=r"`value_key` must be a str, got int 3"):
         SampleRecord(value_key=3)
+
+
+class _Scorer(L.LightningModule):
+    """Scores samples 0..9 (the dataset yields its index): one number each, in test and predict steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def _scores(self, batch):
+        return {"sample_value": self.layer(batch["x"])[:, 0], "index": batch["index"]}
+
+    def test_step(self, batch, batch_idx):
+        return self._scores(batch)
+
+    def predict_step(self, batch, batch_idx):
+        return self._scores(batch)
+
+
+def _items():
+    gen = torch.Generator().manual_seed(3)
+    return [{"index": i, "x": torch.randn(4, generator=gen)} for i in range(10)]
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+def test_sample_record_writes_test_and_predict_passes(tmp_path, stage):
+    from torch.utils.data import DataLoader
+
+    from lightning_determinism import DeterministicSingleDeviceStrategy
+    from tests.helpers.lightning_models import quiet_trainer
+
+    records = {}
+    for size in (1, 4):
+        torch.manual_seed(0)
+        model = _Scorer()
+        trainer = quiet_trainer(
+            DeterministicSingleDeviceStrategy(device="cpu", seed=1, batch_invariant=True), devices=1,
+            callbacks=[SampleRecord(dirpath=str(tmp_path / str(size)))],
+        )  # fmt: skip
+        getattr(trainer, stage)(model, DataLoader(_items(), batch_size=size))
+        records[size] = load_samples(tmp_path / str(size) / f"determinism_samples_{stage}.json")
+    one, four = records[1], records[4]
+    assert (one["stage"], one["batch_invariant"], len(one["samples"])) == (stage, True, 10)
+    assert four["batches"][2] == [0, 0, 2, [8, 9]]
+    result = compare_samples(one, four)
+    assert result["compared"] == 10 and result["differing"] == []  # the mode: a sample's score whatever its batch

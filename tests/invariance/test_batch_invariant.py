@@ -2,6 +2,7 @@
 back; invariant_attention against float64 attention; a GRU LM and a causal transformer per sample, in one process."""
 
 import math
+import pickle
 import re
 
 import pytest
@@ -234,7 +235,10 @@ def test_on_cuda_a_samples_logits_do_not_depend_on_its_batch(dtype):
                     assert torch.equal(part, together[start : start + size]), (size, start)
 
 
-def test_the_strategy_argument_is_a_bool():
+def test_the_strategy_argument_is_a_bool_and_survives_pickling():
     with pytest.raises(TypeError, match=r"`batch_invariant` must be a bool, got 'yes'"):
         DeterministicSingleDeviceStrategy(device="cpu", batch_invariant="yes")
-    assert DeterministicSingleDeviceStrategy(device="cpu", batch_invariant=True).batch_invariant is True
+    strategy = pickle.loads(pickle.dumps(DeterministicSingleDeviceStrategy(device="cpu", batch_invariant=True)))
+    assert strategy.batch_invariant is True  # spawn launchers pickle the strategy
+    assert strategy._ldet_isolation._around is batch_invariant
+    assert DeterministicSingleDeviceStrategy(device="cpu")._ldet_isolation._around is None

@@ -5,8 +5,10 @@ sampling through ``sample_streams`` gives every prompt the same continuation; st
 reference."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from lightning.pytorch.loggers import CSVLogger
 
 import _lightning_determinism_cli as entry
@@ -112,6 +114,9 @@ def test_compare_names_the_batch_composition_as_the_cause(runs, root, capsys):
     assert "cause: batch composition: every differing sample was evaluated in another batch" in out
     assert "batch_invariant=True" in out
     assert "world size" in out  # the records say it too
+    on = yaml.safe_load(Path(_logs(root, "on", 2), "hparams.yaml").read_text())
+    off = yaml.safe_load(Path(_logs(root, "stock", 2), "hparams.yaml").read_text())
+    assert on["determinism/batch_invariant"] is True and "determinism/batch_invariant" not in off
     # The stock evaluation against the mode's: the mode itself is named (its tiles give other last bits).
     assert entry.main(["compare", _logs(root, "stock", 1), _logs(root, "on", 1)]) == 1
     assert "cause: batch-invariant evaluation in one run only" in capsys.readouterr().out
