@@ -1,9 +1,8 @@
 """Every private name of Lightning, Fabric, torch and torchmetrics the package relies on: :data:`PIECES`.
 
-Each :class:`Piece` names the private name (or the shape of one), says why no public API serves, belongs to one feature
-of :mod:`~lightning_determinism._compat.features`, and knows how to check itself against the installed versions
-(:mod:`~lightning_determinism._compat.checks` asks). Attributes that exist only on instances are checked from the code
-of the ``__init__`` that assigns them.
+Each :class:`Piece` names the private name (or its shape), says why no public API serves, belongs to one feature of
+:mod:`~lightning_determinism._compat.features`, and checks itself against the installed versions (for
+:mod:`~lightning_determinism._compat.checks`). Instance-only attributes are checked in the ``__init__`` assigning them.
 """
 
 from __future__ import annotations
@@ -151,9 +150,8 @@ _MP_LAUNCHER = f"{_PL}.strategies.launchers.multiprocessing:_MultiProcessingLaun
 _SCRIPT_LAUNCHER = f"{_PL}.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
 
 PIECES: tuple[Piece, ...] = (
-    Piece(TRAINER,
-          f"lightning>={LIGHTNING_FLOOR}", "older releases replay an epoch's last batch on resume from a checkpoint"
-          " written at that batch (fixed in Lightning 2.5.0, PR #20379)",
+    Piece(TRAINER, f"lightning>={LIGHTNING_FLOOR}", "older releases replay an epoch's last batch on resume from a"
+          " checkpoint written at that batch (fixed in Lightning 2.5.0, PR #20379)",
           lambda: _release(lightning.__version__) >= _release(LIGHTNING_FLOOR)),
     # Lightning: data loaders
     Piece(TRAINER, "lightning.pytorch.utilities.data._update_dataloader(dataloader, sampler)",
@@ -395,8 +393,8 @@ PIECES: tuple[Piece, ...] = (
           and _exists("torchmetrics:Metric._plot")()),
     Piece(PLOTS, "torchmetrics.utilities.plot._AX_TYPE, _PLOT_OUT_TYPE",
           "the types of `Metric.plot`, which the metrics keep", _exists("torchmetrics.utilities.plot:_PLOT_OUT_TYPE")),
-    Piece(BATCH_INVARIANT, "torch.library.Library._destroy", "takes back the kernels registered over ATen's when"
-          " the mode ends (no public way but the garbage collector)", _exists("torch.library:Library._destroy")),
+    Piece(BATCH_INVARIANT, "torch.library.Library._destroy",
+          "unregisters the mode's kernels at its end: no public way", _exists("torch.library:Library._destroy")),
 )  # fmt: skip
 
 __all__ = ["PIECES", "Piece"]
