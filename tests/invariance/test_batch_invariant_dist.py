@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch.loggers import CSVLogger
 
@@ -32,6 +33,10 @@ def _run(out, stage, world_size, batch_invariant=True):
     out.mkdir(parents=True, exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:  # the first predict call of the process on every layout
         patch.setattr(isolation, "_CALLS", {})
+        # One intra-op thread in every process (Lightning keeps OMP_NUM_THREADS where it is set): the probes are per
+        # thread count, and a BLAS may split a reduction between threads on a machine with more cores.
+        patch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
         logger = CSVLogger(out / f"{stage}-{world_size}", name="csv", version=0)  # the record, and SampleRecord's file
         trainer = quiet_trainer(
             _strategy(world_size, batch_invariant), devices=world_size, logger=logger,
