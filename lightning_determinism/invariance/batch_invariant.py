@@ -256,13 +256,23 @@ def _fuses(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...]) -> bool:
     return fuses
 
 
+_FUSED: dict[tuple[Any, ...], tuple[tuple[int, ...], bool]] = {}  # the fast path's cache: (tile sizes, fuses)
+
+
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     if beta == 1 and alpha == 1 and bias.dim() == 1 and a.is_floating_point() and m > 0:
         if not a.is_contiguous():
             a = a.contiguous()
-        sizes = _tile_sizes(False, a, b, _rows(a.device))
-        if _fuses(a, b, sizes):
+        # Called at every step of a recurrent layer: one cache lookup decides (the probes run once per shape).
+        rows = _rows(a.device)
+        key = (a.device, a.dtype, b.dtype, a.shape[1], n, b.stride(0), rows, torch.get_num_threads())
+        known = _FUSED.get(key)
+        if known is None:
+            sizes = _tile_sizes(False, a, b, rows)
+            known = _FUSED[key] = (sizes, _fuses(a, b, sizes))
+        sizes, fuses = known
+        if fuses:
             out = a.new_empty((m, n))
             if m in sizes:  # the common case (a batch of 4, 8, 16, ... rows): one call
                 return torch.addmm(bias, a, b, out=out)
