@@ -83,7 +83,7 @@ def test_batched_products_do_not_depend_on_the_batch(dtype):
 @pytest.mark.filterwarnings("ignore::lightning_determinism.DeterminismWarning")  # float64 may take smaller tiles
 def test_where_the_entry_count_matters_entries_go_two_at_a_time(monkeypatch):
     # A BLAS whose batched path depends on the number of entries (none here: forced) gets pairs of entries only.
-    from lightning_determinism.invariance import batch_invariant as module
+    from lightning_determinism.invariance import tiles as module
 
     monkeypatch.setattr(module, "_entries_free", lambda *args: False)
     calls = []
