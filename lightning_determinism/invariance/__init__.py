@@ -1,5 +1,7 @@
-"""Invariance: world-size-invariant training (micro-batch seeds, the fixed gradient tree, elastic rescaling of loop
-counters) and batch-invariant evaluation (matrix products in probed tiles, attention in fixed key blocks).
+"""Invariance: world-size-invariant training and batch-invariant evaluation.
+
+Micro-batch seeds, the fixed gradient tree, elastic rescaling of loop counters; matrix products in probed tiles and
+attention in fixed key blocks.
 
 Layer: above seeding; imports ``seeding``, ``data`` and the leaves, never ``strategies`` or ``callbacks``.
 """
