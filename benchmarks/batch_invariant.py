@@ -1,12 +1,12 @@
 """Evaluation throughput with batch-invariant evaluation against stock kernels, side by side (CPU here; CUDA where
 there is one).
 
-Per model (the tiny LM's GRU, examples/tiny_lm.py; the causal transformer of examples/batch_invariant_eval.py, 2
-blocks of width 64 and 4 heads, and a wider one of 4 blocks of width 256), precision (float32, bf16 autocast) and eval
-batch size: the time of one validation step (forward, cross-entropy per token, the exact perplexity's update) over
-windows of 64 tokens, stock and under ``batch_invariant()``, interleaved, the median of the repeats. Then one
-``trainer.validate`` pass of the tiny LM over its validation set, with ``batch_invariant=True`` on the strategy or
-not: what a user's evaluation costs end to end. One intra-op thread, as the examples use.
+Per model (the tiny LM's GRU, examples/tiny_lm.py, and one 4x wider; the causal transformer of
+examples/batch_invariant_eval.py, 2 blocks of width 64 and 4 heads, and a wider one of 4 blocks of width 256),
+precision (float32, bf16 autocast) and eval batch size: the time of one validation step (forward, the exact
+perplexity's update) over windows of 64 tokens, stock and under ``batch_invariant()``, interleaved, the median of the
+repeats. Then one ``trainer.validate`` pass of the tiny LM over its validation set, with ``batch_invariant=True`` on
+the strategy or not: what a user's evaluation costs end to end. One intra-op thread, as the examples use.
 
 Goal (issue 57): at most 1.2x stock on CPU.
 
@@ -43,6 +43,7 @@ def _models(vocab: int) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     return {
         "gru (tiny LM)": TinyLM(vocab).eval(),
+        "gru 128 / 512": TinyLM(vocab, dim=128, hidden=512).eval(),
         "transformer 2x64": CausalTransformer(vocab).eval(),
         "transformer 4x256": CausalTransformer(vocab, dim=256, heads=8, layers=4).eval(),
     }
