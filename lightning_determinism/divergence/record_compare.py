@@ -60,7 +60,8 @@ def compare_records(paths: list[str], as_json: bool = False) -> int:
         diff = differences(reference, record)
         runs.append({"path": path, "read_from": str(where), "differ_in": differ_in(list(diff)),
                      "differences": {key: list(pair) for key, pair in diff.items()},
-                     "samples": _sample_comparisons(ref_samples, records_in(where))})  # fmt: skip
+                     "samples": _sample_comparisons(ref_samples, records_in(where)),
+                     "samples_in_one": _one_sided(ref_samples, records_in(where))})  # fmt: skip
     if as_json:
         print(json.dumps({"reference": paths[0], "read_from": str(ref_where), "runs": runs}, indent=2))
         return 1 if any(_differs(run) for run in runs) else 0
@@ -70,6 +71,8 @@ def compare_records(paths: list[str], as_json: bool = False) -> int:
         print(f"\n{run['path']} ({run['read_from']}):")
         for stage, result in run["samples"].items():
             print("\n".join(format_samples(result, stage)))
+        for stage, holder in run["samples_in_one"].items():
+            print(f"per-sample record ({stage}): only in {holder}; nothing to compare sample by sample")
         if not entries:
             taken = ", ".join(fingerprints(reference)) or "none recorded"
             print(f"  the records agree: {len(reference)} entries (fingerprints at: {taken})")
@@ -92,6 +95,13 @@ def _sample_comparisons(reference: dict[str, Path], other: dict[str, Path]) -> d
     return {
         stage: compare_samples(load_samples(reference[stage]), load_samples(other[stage]))
         for stage in sorted(set(reference) & set(other))
+    }
+
+
+def _one_sided(reference: dict[str, Path], other: dict[str, Path]) -> dict[str, str]:
+    """The stages whose per-sample record only one of the two runs holds, and which one."""
+    return {
+        stage: "the reference" if stage in reference else "this run" for stage in sorted(set(reference) ^ set(other))
     }
 
 

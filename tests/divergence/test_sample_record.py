@@ -151,3 +151,30 @@ def test_sample_record_writes_test_and_predict_passes(tmp_path, stage):
     assert four["batches"][2] == [0, 0, 2, [8, 9]]
     result = compare_samples(one, four)
     assert result["compared"] == 10 and result["differing"] == []  # the mode: a sample's score whatever its batch
+
+
+def test_compare_of_two_loggers_directories_reads_their_per_sample_records(tmp_path, capsys):
+    import yaml
+
+    record = {"determinism/seed": 5, "determinism/world_size": 1}
+    runs = {}
+    for name, results in (
+        ("a", ["x0", "x1", "x2", "x3"]),
+        ("b", ["x0", "x1", "x2", "x3"]),
+        ("c", ["x0", "y1", "x2", "x3"]),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "hparams.yaml").write_text(yaml.safe_dump(record))
+        (run / "determinism_samples_validate.json").write_text(json.dumps(_record(ONE_BATCH, results)))
+        runs[name] = str(run)
+    assert entry.main(["compare", runs["a"], runs["b"]]) == 0
+    assert "every sample's result is the same bits" in capsys.readouterr().out
+    assert entry.main(["compare", runs["a"], runs["c"]]) == 1  # the records agree: the samples do not
+    out = capsys.readouterr().out
+    assert "1 of 4 samples differ" in out and "cause: not the batch composition" in out
+    (tmp_path / "b" / "determinism_samples_validate.json").rename(tmp_path / "b" / "determinism_samples_test.json")
+    assert entry.main(["compare", runs["a"], runs["b"]]) == 0
+    out = capsys.readouterr().out
+    assert "per-sample record (test): only in this run" in out
+    assert "per-sample record (validate): only in the reference" in out
