@@ -59,11 +59,15 @@ def test_a_tile_whose_rows_depend_on_their_position_is_replaced_and_said(recwarn
 
 
 def test_stock_float32_products_depend_on_the_row_count():
-    # The failing reference: MKL's float32 GEMM takes other paths for a few rows (measured on AVX-512 and AVX2).
+    # The failing reference: MKL's float32 GEMM takes other paths for 1-3, 5-7 and 9-11 rows on the CPUs measured.
     torch.manual_seed(0)
     weight, x = torch.randn(512, 512), torch.randn(16, 512)
     with torch.no_grad():
-        assert _rows_alone_and_together(lambda rows: rows @ weight, x, torch.float32)
+        differing = _rows_alone_and_together(lambda rows: rows @ weight, x, torch.float32)
+    if not differing:
+        pytest.skip("this machine's float32 GEMM gives a row the same bits at any row count: no failing reference")
+    with torch.no_grad(), batch_invariant():  # the same rows, the same products, with the mode
+        assert _rows_alone_and_together(lambda rows: rows @ weight, x, torch.float32) == set()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

