@@ -16,8 +16,9 @@ gets other bits when the product has another number of rows. The kernels here, w
 - a batched product hands the BLAS at least two entries, and two at a time where a probe finds the entry count
   matters.
 
-Each probe runs once per shape, dtype, operand layout, tile and intra-op thread count, on random operands (the BLAS
-picks its path from those, never from the values): a few products of up to 2,049 rows.
+Each probe runs once per shape, dtype, operand layout, tile and intra-op thread count, on random rows times the call's
+own second operand (the BLAS picks its path from shapes and strides, never from the values): a few products of up to
+2,049 rows, with no copy of the weight.
 """
 
 from __future__ import annotations
@@ -45,11 +46,6 @@ _PROBE_ROWS = 1024
 _TILES: dict[tuple[Any, ...], tuple[int, ...]] = {}  # (operation, device, dtypes, K, N, layout, rows, threads) -> sizes
 
 
-def _layout(b: torch.Tensor) -> str:
-    """How the second operand lies: the BLAS packs a transposed one (a weight's ``.t()``) with other routines."""
-    return "t" if b.stride(-2) == 1 and b.shape[-1] > 1 else "n"
-
-
 def _probe_operand(like: torch.Tensor, rows: int, cols: int, gen: torch.Generator, batch: int | None) -> torch.Tensor:
     shape = (rows, cols) if batch is None else (batch, rows, cols)
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=like.device, dtype=like.dtype)
@@ -59,8 +55,9 @@ def _tile_sizes(batched: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> t
     """The tile sizes (largest first) whose rows get exactly the bits of ``rows``-row tiles, for this shape.
 
     ``rows``-row tiles are the reference: every product of the mode is computed in tiles of the sizes returned, and
-    a size is among them only where a product of random operands of this shape, dtype, layout and thread count gives
-    each of its rows exactly what ``rows``-row tiles give (the BLAS picks its path from those, never from the values).
+    a size is among them only where random rows times the call's own second operand give each row exactly what
+    ``rows``-row tiles give (the BLAS picks its path from the shapes, strides, dtype and thread count, never from the
+    values; the probe's rows take at most ``2 * 1024 + 1`` rows of the first operand's width, once per key).
     Larger tiles save calls; smaller ones save padding (batch 1 pays for one row, not ``rows``).
     """
     k, n = a.shape[-1], b.shape[-1]
@@ -72,9 +69,8 @@ def _tile_sizes(batched: bool, a: torch.Tensor, b: torch.Tensor, rows: int) -> t
         product = _BMM_OUT if batched else _MM_OUT
         candidates = sorted({*_CANDIDATES, rows})
         x = _probe_operand(a, 2 * max(_PROBE_ROWS, rows) + 1, k, gen, entries)
-        y = _probe_operand(b, n, k, gen, entries).transpose(-2, -1)
-        if _layout(b) == "n":
-            y = y.contiguous()
+        y = b[:2] if batched else b  # the operand itself: its exact layout, and no copy of a weight (the BLAS's path
+        # depends on shapes and strides, never on the values)
 
         def tiled(size: int, count: int, first: int = 0) -> torch.Tensor:  # whole tiles of `size` rows
             parts = []
@@ -128,45 +124,47 @@ def _plan(m: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
     return tiles
 
 
+def _in_tiles(a: torch.Tensor, n: int, sizes: tuple[int, ...], product: Any) -> torch.Tensor:
+    """``product(rows, out)`` over ``a``'s rows in the tiles of :func:`_plan` (the last padded with zero rows)."""
+    m = a.shape[0]
+    out = a.new_empty((m, n))
+    if m in sizes:  # the common case (a batch of 4, 8, 16, ... rows): one call
+        return product(a, out)
+    for start, size in _plan(m, sizes):
+        if start + size <= m:
+            product(a[start : start + size], out[start : start + size])
+        else:
+            tail = a.new_zeros((size, a.shape[1]))
+            tail[: m - start] = a[start:]
+            out[start:] = product(tail, a.new_empty((size, n)))[: m - start]
+    return out
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
     if not a.is_floating_point() or m == 0:
         return torch.mm(a, b, out=a.new_empty((m, n)))
     if not a.is_contiguous():
         a = a.contiguous()  # one layout: a transposed operand takes other packing routines
-    out = a.new_empty((m, n))
     sizes = _tile_sizes(False, a, b, _rows(a.device))
-    if m in sizes:  # the common case (a batch of 4, 8, 16, ... rows): one call
-        return torch.mm(a, b, out=out)
-    for start, size in _plan(m, sizes):
-        if start + size <= m:
-            torch.mm(a[start : start + size], b, out=out[start : start + size])
-        else:  # the last rows, padded with zero rows to a whole tile
-            tail = a.new_zeros((size, a.shape[1]))
-            tail[: m - start] = a[start:]
-            out[start:] = torch.mm(tail, b, out=a.new_empty((size, n)))[: m - start]
-    return out
+    return _in_tiles(a, n, sizes, lambda rows, out: torch.mm(rows, b, out=out))
 
 
 _ENTRIES: dict[tuple[Any, ...], bool] = {}  # (device, dtypes, K, N, layout, rows, threads) -> entry-count free
 
 
 def _entries_free(a: torch.Tensor, b: torch.Tensor, rows: int) -> bool:
-    """Whether a batched product's entries get the same bits in a batch of 2 entries and in one of 17.
+    """Whether a batched product's first two entries get the same bits alone and among (up to 17 of) the call's entries.
 
-    Probed once per shape; where not, the mode hands the BLAS two entries at a time.
+    Probed once per shape on the call's own operands; where not, the mode hands the BLAS two entries at a time.
     """
     k, n = a.shape[-1], b.shape[-1]
     key = (a.device, a.dtype, b.dtype, k, n, b.stride(-2) == 1, rows, torch.get_num_threads())
     free = _ENTRIES.get(key)
     if free is None:
-        gen = torch.Generator().manual_seed(2)
-        x = _probe_operand(a, 17 * rows, k, gen, None).view(17, rows, k)
-        y = _probe_operand(b, 17 * n, k, gen, None).view(17, n, k).transpose(-2, -1)
-        if b.stride(-2) != 1:
-            y = y.contiguous()
-        many = _BMM_OUT(x, y, out=x.new_empty((17, rows, n)))
-        two = _BMM_OUT(x[:2], y[:2], out=x.new_empty((2, rows, n)))
+        count = min(a.shape[0], 17)
+        many = _BMM_OUT(a[:count], b[:count], out=a.new_empty((count, a.shape[1], n)))
+        two = _BMM_OUT(a[:2], b[:2], out=a.new_empty((2, a.shape[1], n)))
         free = _ENTRIES[key] = torch.equal(many[:2], two)
     return free
 
@@ -205,34 +203,25 @@ def _with_bias(product: torch.Tensor, bias: torch.Tensor, beta: Any, alpha: Any)
     return product.add_(bias) if beta == 1 else product.add_(bias, alpha=beta)
 
 
-_FUSES: dict[tuple[Any, ...], bool] = {}  # (device, dtype, K, N, layout, rows, threads) -> fused bias == added bias
-
-
 def _fuses(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...]) -> bool:
     """Whether ``addmm`` with a row of bias gives the bits of the product followed by ``add_`` of the bias.
 
-    Probed for this shape and every tile size: true where the BLAS reduces ``K`` in one block and adds the bias last.
-    Where it does, the mode keeps the fused call (one pass fewer); elsewhere it adds the bias after the product.
+    Probed for this shape and every tile size, on random rows times the call's own ``b``: true where the BLAS reduces
+    ``K`` in one block and adds the bias last. Where it does, the mode keeps the fused call (one pass fewer); elsewhere
+    it adds the bias after the product.
     """
-    k, n = a.shape[1], b.shape[1]
-    key = (a.device, a.dtype, k, n, b.stride(0) == 1, sizes, torch.get_num_threads())
-    fuses = _FUSES.get(key)
-    if fuses is None:
-        gen = torch.Generator().manual_seed(1)
-        y = _probe_operand(b, n, k, gen, None).t()
-        if b.stride(0) != 1:
-            y = y.contiguous()
-        bias = _probe_operand(b, 1, n, gen, None)[0]
-        fuses = True
-        for size in sizes:
-            x = _probe_operand(a, size, k, gen, None)
-            fused = torch.addmm(bias, x, y, out=x.new_empty((size, n)))
-            fuses = fuses and torch.equal(fused, torch.mm(x, y, out=x.new_empty((size, n))).add_(bias))
-        _FUSES[key] = fuses
-    return fuses
+    gen = torch.Generator().manual_seed(1)
+    n = b.shape[1]
+    bias = _probe_operand(b, 1, n, gen, None)[0]
+    for size in sizes:
+        x = _probe_operand(a, size, a.shape[1], gen, None)
+        fused = torch.addmm(bias, x, b, out=x.new_empty((size, n)))
+        if not torch.equal(fused, torch.mm(x, b, out=x.new_empty((size, n))).add_(bias)):
+            return False
+    return True
 
 
-_FUSED: dict[tuple[Any, ...], tuple[tuple[int, ...], bool]] = {}  # the fast path's cache: (tile sizes, fuses)
+_FUSED: dict[tuple[Any, ...], tuple[tuple[int, ...], bool]] = {}  # addmm's key -> (tile sizes, fused bias kept)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
@@ -249,17 +238,7 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 
             known = _FUSED[key] = (sizes, _fuses(a, b, sizes))
         sizes, fuses = known
         if fuses:
-            out = a.new_empty((m, n))
-            if m in sizes:  # the common case (a batch of 4, 8, 16, ... rows): one call
-                return torch.addmm(bias, a, b, out=out)
-            for start, size in _plan(m, sizes):
-                if start + size <= m:
-                    torch.addmm(bias, a[start : start + size], b, out=out[start : start + size])
-                else:
-                    tail = a.new_zeros((size, a.shape[1]))
-                    tail[: m - start] = a[start:]
-                    out[start:] = torch.addmm(bias, tail, b, out=a.new_empty((size, n)))[: m - start]
-            return out
+            return _in_tiles(a, n, sizes, lambda rows, out: torch.addmm(bias, rows, b, out=out))
     return _with_bias(_mm(a, b), bias, beta, alpha)
 
 
