@@ -11,7 +11,8 @@ The step says what a sample's result is: ``validation_step`` (``test_step``, ``p
 ``value_key`` entry holds one row per sample (a per-sample loss, the logits); the dataset indices come from the
 mapping's or the batch's ``index_key`` entry.
 
-Cost: one all-gather of Python objects per pass (the indices and one short string per sample) and one file on rank 0.
+Cost: one gather to rank 0 per pass (the indices and one short string per sample: the data's size, whatever the
+number of processes) and one file on rank 0.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lightning_determinism.checkpoints.atomic import write_atomically
 from lightning_determinism.divergence.sample_record import FORMAT, KIND, samples_file
 from lightning_determinism.errors import DeterminismWarning
 from lightning_determinism.invariance.batch_invariant import batch_invariant_enabled
-from lightning_determinism.seeding.rank_states import all_gather
+from lightning_determinism.seeding.rank_states import gather_to_zero
 
 
 def encode_result(row: torch.Tensor) -> str:
@@ -115,15 +116,19 @@ class SampleRecord(Callback):
         self._invariant = self._invariant or batch_invariant_enabled()
         number = len(self._batches)
         self._batches.append([trainer.global_rank, dataloader_idx, batch_idx, indices])
-        for row, index in enumerate(indices):
-            self._samples[f"{dataloader_idx}/{index}"] = [encode_result(values[row]), number]
+        if values.dim() == 1 and values.is_floating_point():  # one number per sample: one transfer, not one per row
+            results = [float(value).hex() for value in values.detach().double().cpu().tolist()]
+        else:
+            results = [encode_result(row) for row in values]
+        for index, result in zip(indices, results, strict=True):
+            self._samples[f"{dataloader_idx}/{index}"] = [result, number]
 
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
         if trainer.sanity_checking:
             return
-        parts = all_gather((self._batches, self._samples, self._invariant))
+        parts = gather_to_zero((self._batches, self._samples, self._invariant))
         self._reset()
-        if not trainer.is_global_zero:
+        if parts is None:  # not rank 0
             return
         batches: list[list[Any]] = []
         samples: dict[str, list[Any]] = {}

@@ -56,12 +56,14 @@ def compare_records(paths: list[str], as_json: bool = False) -> int:
     (reference, ref_where), others = read[0], read[1:]
     runs: list[dict[str, Any]] = []
     ref_samples = records_in(ref_where)
+    ref_loaded: dict[str, dict[str, Any]] = {}  # the reference's records, read once for every run compared with them
     for path, (record, where) in zip(paths[1:], others, strict=True):
         diff = differences(reference, record)
+        samples = records_in(where)
         runs.append({"path": path, "read_from": str(where), "differ_in": differ_in(list(diff)),
                      "differences": {key: list(pair) for key, pair in diff.items()},
-                     "samples": _sample_comparisons(ref_samples, records_in(where)),
-                     "samples_in_one": _one_sided(ref_samples, records_in(where))})  # fmt: skip
+                     "samples": _sample_comparisons(ref_samples, samples, ref_loaded),
+                     "samples_in_one": _one_sided(ref_samples, samples)})  # fmt: skip
     if as_json:
         print(json.dumps({"reference": paths[0], "read_from": str(ref_where), "runs": runs}, indent=2))
         return 1 if any(_differs(run) for run in runs) else 0
@@ -90,12 +92,16 @@ def compare_records(paths: list[str], as_json: bool = False) -> int:
     return 1 if any(_differs(run) for run in runs) else 0
 
 
-def _sample_comparisons(reference: dict[str, Path], other: dict[str, Path]) -> dict[str, dict[str, Any]]:
-    """The per-sample records (SampleRecord) both runs hold, compared stage by stage."""
-    return {
-        stage: compare_samples(load_samples(reference[stage]), load_samples(other[stage]))
-        for stage in sorted(set(reference) & set(other))
-    }
+def _sample_comparisons(
+    reference: dict[str, Path], other: dict[str, Path], loaded: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The per-sample records (SampleRecord) both runs hold, compared stage by stage (``loaded``: the reference's)."""
+    compared = {}
+    for stage in sorted(set(reference) & set(other)):
+        if stage not in loaded:
+            loaded[stage] = load_samples(reference[stage])
+        compared[stage] = compare_samples(loaded[stage], load_samples(other[stage]))
+    return compared
 
 
 def _one_sided(reference: dict[str, Path], other: dict[str, Path]) -> dict[str, str]:

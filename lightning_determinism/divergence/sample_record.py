@@ -50,8 +50,9 @@ def is_sample_record(path: str | Path) -> bool:
     if not path.is_file() or not path.name.startswith("determinism_samples_"):
         return False
     try:
-        return f'"kind": "{KIND}"' in path.read_text()[:200]
-    except (OSError, UnicodeDecodeError):
+        with path.open("rb") as file:  # the kind is near the start: a record of a million samples is not read
+            return f'"kind": "{KIND}"'.encode() in file.read(200)
+    except OSError:
         return False
 
 

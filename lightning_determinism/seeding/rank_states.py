@@ -50,6 +50,19 @@ def all_gather(obj: Any) -> list[Any]:
     return [obj]
 
 
+def gather_to_zero(obj: Any) -> list[Any] | None:
+    """``obj`` from every rank, on rank 0 only (``None`` elsewhere; ``[obj]`` without a process group).
+
+    Per-sample records grow with the data, not with the ranks: rank 0 receives them once, where an all-gather would
+    hand every rank everything (``W`` times the traffic).
+    """
+    if distributed():
+        out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+    return [obj]
+
+
 def require(mapping: Any, key: str, where: str) -> Any:
     """``mapping[key]``, or ``ValueError`` naming the malformed checkpoint key."""
     if not isinstance(mapping, dict) or key not in mapping:
@@ -104,6 +117,7 @@ __all__ = [
     "all_gather",
     "check_ranks",
     "digest",
+    "gather_to_zero",
     "other_seed_message",
     "pattern",
     "require",
