@@ -356,18 +356,29 @@ def test_the_command_keeps_its_exit_codes_in_a_shell_script(recorded, tmp_path):
     command = shutil.which("lightning-determinism", path=str(Path(sys.executable).parent))
     assert command is not None, "the console script is installed with the package"
     a, b = _with_nan(recorded, tmp_path, "a.json"), _with_nan(recorded, tmp_path, "b.json")
+    samples = []  # two evaluations' per-sample records (SampleRecord's files) that disagree on sample 1
+    for name, result in (("s1", "0x1.0p+0"), ("s2", "0x1.8p+0")):
+        path = tmp_path / name / "determinism_samples_validate.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({
+            "kind": "lightning_determinism.samples", "format": 1, "stage": "validate", "world_size": 1,
+            "batch_invariant": True, "batches": [[0, 0, 0, [0, 1]]],
+            "samples": {"0/0": ["0x1.0p+0", 0], "0/1": [result, 0]},
+        }))  # fmt: skip
+        samples.append(path)
     script = tmp_path / "check.sh"
     script.write_text(
         f"""
 {{ "{command}" compare "{recorded}" "{recorded}" > /dev/null; echo "equal $?" > {tmp_path}/codes.1; }} &
 {{ "{sys.executable}" -m lightning_determinism compare "{a}" "{b}" > /dev/null; echo "nan $?" > {tmp_path}/codes.2; }} &
+{{ "{command}" diagnose "{samples[0]}" "{samples[1]}" > /dev/null; echo "samples $?" > {tmp_path}/codes.4; }} &
 "{command}" compare "{recorded}" "{recorded}" --rtol -1 2> {tmp_path}/err.txt; echo "bad $?" > {tmp_path}/codes.3
 wait
 """
     )
     subprocess.run(["bash", str(script)], check=True, timeout=300)
-    codes = [(tmp_path / f"codes.{i}").read_text().split() for i in (1, 2, 3)]
-    assert codes == [["equal", "0"], ["nan", "1"], ["bad", "2"]]
+    codes = [(tmp_path / f"codes.{i}").read_text().split() for i in (1, 2, 3, 4)]
+    assert codes == [["equal", "0"], ["nan", "1"], ["bad", "2"], ["samples", "1"]]
     assert (tmp_path / "err.txt").read_text().count("\n") == 1
 
 

@@ -102,9 +102,13 @@ def test_results_keep_every_bit():
     assert encode_result(torch.zeros(0)).startswith("torch.float32 (0,)")
 
 
-def test_sample_record_refuses_bad_keys():
+def test_sample_record_refuses_bad_keys_and_survives_pickling():
     with pytest.raises(TypeError, match=r"`value_key` must be a str, got int 3"):
         SampleRecord(value_key=3)
+    import pickle
+
+    record = pickle.loads(pickle.dumps(SampleRecord(value_key="loss", index_key="id", dirpath="out")))  # spawn
+    assert (record.value_key, record.index_key, record.dirpath) == ("loss", "id", "out")
 
 
 class _Scorer(L.LightningModule):
