@@ -10,7 +10,9 @@ beyond a short sequence) leaves that query's running maximum, sum and output exa
 ``exp(-inf) = 0``), so padding never moves a bit. Half-precision inputs are computed in float32 (an exact widening)
 and the output rounded back once.
 
-Cost: one pass over the keys per block, as a flash kernel makes, in Python: a few µs per block and layer.
+Cost: one pass over the keys per block, as a flash kernel makes, in Python: a few µs per block and layer. Memory: the
+entries (batch x heads) are attended in chunks whose float32 working set (the widened queries, keys and values, one
+block of scores) stays near 64 MiB, whatever the eval batch and the context length.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 import torch
 
 _INF = math.inf
+_CHUNK_FLOATS = 1 << 24  # float32 elements of one chunk of entries' working set (64 MiB)
 DEFAULT_KEY_BLOCK = 64
 """Keys per block: short evaluation sequences take one block, long ones a loop of few iterations."""
 
@@ -85,16 +88,11 @@ def _mask_of(
     return hide, keep, additive
 
 
-def _flat(tensor: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
-    """``tensor`` broadcast to ``batch``, as a new contiguous ``(prod(batch), rows, cols)`` tensor, float32 or wider.
-
-    One copy: a half-precision tensor is widened (exactly) on the way.
-    """
-    rows, cols = tensor.shape[-2:]
+def _widened(tensor: torch.Tensor) -> torch.Tensor:
+    """A new contiguous copy, float32 or wider (a half-precision tensor is widened, exactly, on the way)."""
     wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
-    out = torch.empty((*batch, rows, cols), dtype=wide, device=tensor.device)
-    out.copy_(tensor.expand(*batch, rows, cols))
-    return out.view(-1, rows, cols)
+    out = torch.empty(tensor.shape, dtype=wide, device=tensor.device)
+    return out.copy_(tensor)
 
 
 def invariant_attention(
@@ -160,14 +158,41 @@ def _attention(
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
     length, keys, width = query.shape[-2], key.shape[-2], value.shape[-1]
     batch = tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]))
-    q = _flat(query, batch).mul_(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
-    k, v = _flat(key, batch), _flat(value, batch)
     blocks = max(1, -(-keys // key_block))
     padded = blocks * key_block
+    hide, keep, additive = _mask_of(attn_mask, is_causal, (*batch, length), keys, padded, query.device)
+    q, k, v = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (query, key, value))
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    # Entries (batch x heads) in chunks: the float32 working set stays near _CHUNK_FLOATS whatever the batch and the
+    # context (a sample's bits do not depend on its chunk: entries are independent, and the products see to the count).
+    per_entry = length * (q.shape[-1] + 2 * key_block + width) + padded * (k.shape[-1] + width)
+    chunk = max(1, _CHUNK_FLOATS // per_entry)
+    parts = []
+    for lo in range(0, q.shape[0], chunk):
+        part = slice(lo, lo + chunk)
+        hidden, kept, added = (m if m is None or m.shape[0] == 1 else m[part] for m in (hide, keep, additive))
+        parts.append(_attend(q[part], k[part], v[part], hidden, kept, added, factor, padded, key_block))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(*batch, length, width)
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hide: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    factor: float,
+    padded: int,
+    key_block: int,
+) -> torch.Tensor:
+    """One chunk of entries: ``(n, L, E)`` queries over ``(n, S, E)`` keys, blockwise; ``(n, L, Ev)`` in float32."""
+    q, k, v = _widened(query).mul_(factor), _widened(key), _widened(value)
+    keys, width = k.shape[1], v.shape[2]
     if padded > keys:
         k = torch.cat((k, k.new_zeros((k.shape[0], padded - keys, k.shape[2]))), dim=1)
         v = torch.cat((v, v.new_zeros((v.shape[0], padded - keys, width))), dim=1)
-    hide, keep, additive = _mask_of(attn_mask, is_causal, (*batch, length), keys, padded, q.device)
     best = total = out = None
     for start in range(0, padded, key_block):
         stop = start + key_block
@@ -193,4 +218,4 @@ def _attention(
             total, out = total * decay + mass, out * decay + mixed
         best = new_best
     assert out is not None and total is not None
-    return out.div_(total).reshape(*batch, length, width)
+    return out.div_(total)

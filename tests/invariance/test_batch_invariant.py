@@ -190,6 +190,22 @@ def test_trailing_padding_never_moves_a_querys_bits(dtype):
             assert torch.equal(short, full[:1, :, :length]), length
 
 
+def test_attention_in_chunks_of_entries_gives_the_same_bits(monkeypatch):
+    # A long context or a large eval batch is attended a chunk of (batch x head) entries at a time, so its float32
+    # working set stays bounded: the chunks change no bit.
+    from lightning_determinism.invariance import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 70, 16, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(3, 1, 70, 70) > 0.2
+    mask[..., 0] = True
+    with batch_invariant():
+        whole = [invariant_attention(q, k, v, is_causal=True), invariant_attention(q, k, v, attn_mask=mask)]
+        monkeypatch.setattr(attention, "_CHUNK_FLOATS", 1)  # one entry per chunk
+        chunked = [invariant_attention(q, k, v, is_causal=True), invariant_attention(q, k, v, attn_mask=mask)]
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
+
+
 def test_invariant_attention_refuses_dropout_and_two_masks():
     q = torch.zeros(1, 1, 2, 4)
     with pytest.raises(ValueError, match=r"`dropout_p` must be 0, got 0.1"):
