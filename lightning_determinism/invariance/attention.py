@@ -18,6 +18,7 @@ block of scores) stays near 64 MiB, whatever the eval batch and the context leng
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ DEFAULT_KEY_BLOCK = 64
 """Keys per block: short evaluation sequences take one block, long ones a loop of few iterations."""
 
 
-_MASKS: dict[tuple[object, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # causal/padding only
+_MASKS: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # causal and padding masks of a block
 _SPACE: dict[tuple[object, ...], torch.Tensor] = {}  # scratch buffers by shape: a fresh one costs its page faults
 
 
@@ -47,45 +48,57 @@ def _scratch(like: torch.Tensor) -> torch.Tensor:
     return space
 
 
-def _mask_of(
-    mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...], keys: int, padded: int, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The masks of the keys: ``(hide, keep, additive)``.
+class _Masks:
+    """The masks of one chunk of entries, made a block of keys at a time (never ``(B, L, S)`` at once).
 
-    ``hide`` is ``-inf`` where a key takes no part (added before the maximum), ``keep`` its ``0``/``1`` weight
-    (multiplied after the exponential), both ``(B or 1, L, S')``; ``additive`` is the user's float mask
-    ``(B, L, S')``. ``shape``: the batch dimensions and ``L``; the padded keys ``S..S'`` take no part.
+    ``user`` is the caller's ``attn_mask`` broadcast to ``(*batch, L, S)`` (a view: nothing copied), ``rows`` the
+    chunk's entries as indices into ``batch``. For a block, :meth:`block` gives ``(hide, keep, added)``: ``-inf``
+    where a key takes no part (added before the maximum), its ``0``/``1`` weight (multiplied after the exponential),
+    and the caller's additive float mask; padded keys (past ``S``) take no part. Causal and padding masks, the same for
+    every entry, are cached by shape.
     """
-    *batch, length = shape
-    blocked: torch.Tensor | None = None
-    additive: torch.Tensor | None = None
-    key = (is_causal, length, keys, padded, device)
-    if mask is None and key in _MASKS:
-        return (*_MASKS[key], None)
-    if mask is not None:
-        mask = mask.expand(*batch, length, keys).reshape(-1, length, keys)
-        if mask.dtype == torch.bool:
-            blocked = ~mask
-        else:
-            additive = mask.float()
-    if is_causal:  # torch's convention: key j takes part for query i when j <= i
-        causal = torch.ones(length, keys, dtype=torch.bool, device=device).triu(1).unsqueeze(0)
-        blocked = causal if blocked is None else blocked | causal
-    if padded > keys:
+
+    def __init__(self, user: torch.Tensor | None, rows: tuple[torch.Tensor, ...], causal: bool, length: int, keys: int):
+        self.user, self.rows, self.causal, self.length, self.keys = user, rows, causal, length, keys
+
+    def block(self, start: int, stop: int, device: torch.device) -> tuple[Any, Any, Any]:
+        blocked = added = None
+        if self.user is not None:
+            index: tuple[Any, ...] = (*self.rows, slice(None), slice(start, min(stop, self.keys)))
+            piece = self.user[index]  # (chunk, L, <= C): this chunk's entries and block only
+            missing = stop - start - piece.shape[-1]
+            if missing:  # keys past S: False (bool) or 0 (float); the padding mask hides them either way
+                piece = torch.cat((piece, piece.new_zeros((*piece.shape[:-1], missing))), dim=-1)
+            if piece.dtype == torch.bool:
+                blocked = ~piece
+            else:
+                added = piece.float()
+        shared = self._shared(start, stop, device)
         if blocked is None:
-            blocked = torch.zeros((1, length, keys), dtype=torch.bool, device=device)
-        blocked = torch.cat((blocked, blocked.new_ones((*blocked.shape[:-1], padded - keys))), dim=-1)
-        if additive is not None:
-            additive = torch.cat((additive, additive.new_zeros((*additive.shape[:-1], padded - keys))), dim=-1)
-    hide = keep = None
-    if blocked is not None:
-        hide = torch.zeros(blocked.shape, device=device).masked_fill_(blocked, -_INF)
-        keep = (~blocked).float()
-    if mask is None:
-        if len(_MASKS) > 64:
-            _MASKS.clear()
-        _MASKS[key] = (hide, keep)
-    return hide, keep, additive
+            return (*shared, added) if shared is not None else (None, None, added)
+        if shared is not None:
+            blocked = blocked | (shared[1] == 0)
+        return torch.zeros(blocked.shape, device=device).masked_fill_(blocked, -_INF), (~blocked).float(), added
+
+    def _shared(self, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(hide, keep)`` of the causal rule and the padded keys, ``(1, L, C)``; ``None`` where neither applies."""
+        if not self.causal and stop <= self.keys:
+            return None
+        key = (self.causal, self.length, self.keys, start, stop, device)
+        found = _MASKS.get(key)
+        if found is None:
+            columns = torch.arange(start, stop, device=device)
+            blocked = (columns >= self.keys).expand(self.length, -1)
+            if self.causal:  # torch's convention: key j takes part for query i when j <= i
+                blocked = blocked | (columns.unsqueeze(0) > torch.arange(self.length, device=device).unsqueeze(1))
+            blocked = blocked.unsqueeze(0)
+            if len(_MASKS) > 256:
+                _MASKS.clear()
+            found = _MASKS[key] = (
+                torch.zeros(blocked.shape, device=device).masked_fill_(blocked, -_INF),
+                (~blocked).float(),
+            )
+        return found
 
 
 def _widened(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,18 +173,20 @@ def _attention(
     batch = tuple(torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2]))
     blocks = max(1, -(-keys // key_block))
     padded = blocks * key_block
-    hide, keep, additive = _mask_of(attn_mask, is_causal, (*batch, length), keys, padded, query.device)
+    user = None if attn_mask is None else attn_mask.expand(*batch, length, keys)  # a view
     q, k, v = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (query, key, value))
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # Entries (batch x heads) in chunks: the float32 working set stays near _CHUNK_FLOATS whatever the batch and the
     # context (a sample's bits do not depend on its chunk: entries are independent, and the products see to the count).
-    per_entry = length * (q.shape[-1] + 2 * key_block + width) + padded * (k.shape[-1] + width)
+    per_entry = length * (q.shape[-1] + 3 * key_block + width) + padded * (k.shape[-1] + width)
     chunk = max(1, _CHUNK_FLOATS // per_entry)
     parts = []
     for lo in range(0, q.shape[0], chunk):
         part = slice(lo, lo + chunk)
-        hidden, kept, added = (m if m is None or m.shape[0] == 1 else m[part] for m in (hide, keep, additive))
-        parts.append(_attend(q[part], k[part], v[part], hidden, kept, added, factor, padded, key_block))
+        entries = torch.arange(lo, min(lo + chunk, q.shape[0]), device=query.device)
+        rows = tuple(torch.unravel_index(entries, batch)) if batch else ()
+        masks = _Masks(user, rows, is_causal, length, keys)
+        parts.append(_attend(q[part], k[part], v[part], masks, factor, padded, key_block))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(*batch, length, width)
 
@@ -180,9 +195,7 @@ def _attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    hide: torch.Tensor | None,
-    keep: torch.Tensor | None,
-    additive: torch.Tensor | None,
+    masks: _Masks,
     factor: float,
     padded: int,
     key_block: int,
@@ -197,19 +210,20 @@ def _attend(
     for start in range(0, padded, key_block):
         stop = start + key_block
         scores = torch.bmm(q, k[:, start:stop].transpose(1, 2))
-        if additive is not None:
-            scores = scores + additive[..., start:stop]
+        hide, keep, added = masks.block(start, stop, q.device)
+        if added is not None:
+            scores = scores + added
         # Masked keys: out of the maximum, and a weight of exactly 0 (no exponential of -inf: a slow path).
         if hide is None:
             ranked = scores
         else:
-            ranked = torch.add(scores, hide[..., start:stop], out=_scratch(scores))
+            ranked = torch.add(scores, hide, out=_scratch(scores))
         top = ranked.amax(dim=-1, keepdim=True)
         new_best = top if best is None else torch.maximum(best, top)
         shift = torch.where(torch.isinf(new_best), 0.0, new_best)  # every key masked so far: 0
         weights = scores.sub_(shift).clamp_(max=0.0).exp_()  # in place; a masked key's raw score may exceed the max
         if keep is not None:
-            weights.mul_(keep[..., start:stop])
+            weights.mul_(keep)
         mass, mixed = weights.sum(dim=-1, keepdim=True), torch.bmm(weights, v[:, start:stop])
         if best is None or total is None or out is None:  # the first block: nothing to rescale
             total, out = mass, mixed

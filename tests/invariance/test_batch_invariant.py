@@ -199,11 +199,15 @@ def test_attention_in_chunks_of_entries_gives_the_same_bits(monkeypatch):
     q, k, v = (torch.randn(3, 4, 70, 16, dtype=torch.bfloat16) for _ in range(3))
     mask = torch.rand(3, 1, 70, 70) > 0.2
     mask[..., 0] = True
+    additive = torch.zeros(3, 1, 70, 70).masked_fill_(~mask, torch.finfo(torch.float32).min)  # as Hugging Face makes
+    masks = [{"is_causal": True}, {"attn_mask": mask}, {"attn_mask": additive}]
     with batch_invariant():
-        whole = [invariant_attention(q, k, v, is_causal=True), invariant_attention(q, k, v, attn_mask=mask)]
+        whole = [invariant_attention(q, k, v, **given) for given in masks]
         monkeypatch.setattr(attention, "_CHUNK_FLOATS", 1)  # one entry per chunk
-        chunked = [invariant_attention(q, k, v, is_causal=True), invariant_attention(q, k, v, attn_mask=mask)]
+        chunked = [invariant_attention(q, k, v, **given) for given in masks]
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
+    reference = _reference_attention(q.float(), k.float(), v.float(), mask)
+    assert torch.allclose(whole[2].double(), reference, atol=3e-2)  # the additive mask hides what the bool one does
 
 
 def test_invariant_attention_refuses_dropout_and_two_masks():
