@@ -183,8 +183,10 @@ def _attention(
     parts = []
     for lo in range(0, q.shape[0], chunk):
         part = slice(lo, lo + chunk)
-        entries = torch.arange(lo, min(lo + chunk, q.shape[0]), device=query.device)
-        rows = tuple(torch.unravel_index(entries, batch)) if batch else ()
+        rows: tuple[torch.Tensor, ...] = ()
+        if user is not None and batch:  # the chunk's entries as indices into the batch, to pick their mask rows
+            entries = torch.arange(lo, min(lo + chunk, q.shape[0]), device=query.device)
+            rows = tuple(torch.unravel_index(entries, batch))
         masks = _Masks(user, rows, is_causal, length, keys)
         parts.append(_attend(q[part], k[part], v[part], masks, factor, padded, key_block))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
